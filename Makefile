@@ -1,0 +1,49 @@
+# `make demo` and `make test` work on a fresh clone: they create .venv, install torch pinned first
+# (override for a CUDA build: `make test TORCH="torch==2.13.0 --index-url <your index>"`), then
+# the package with its test extras.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-all lint format clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(TORCH_STAMP): | $(PY)
+	$(PY) -m pip install $(TORCH)
+	touch $@
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(PY) recipes/quickstart.py
+
+# pytest exits 5 when it collected nothing: a misconfigured suite, reported as a failure.
+test: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+test-all: install
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs

@@ -1,0 +1,29 @@
+"""lightning-commstrats: communication-efficient distributed training strategies for Lightning.
+
+Importing the package registers every strategy name with Lightning's ``StrategyRegistry``::
+
+    import lightning as L
+    import lightning_commstrats
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="allreduce")
+"""
+
+from lightning_commstrats._registry import register_strategies
+from lightning_commstrats.callbacks import CommStatsMonitor
+from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
+from lightning_commstrats.strategies import STRATEGIES, AllReduceStrategy, CommStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STRATEGIES",
+    "AllReduceStrategy",
+    "CommSnapshot",
+    "CommStats",
+    "CommStatsMonitor",
+    "CommStrategy",
+    "Communicator",
+    "register_strategies",
+]
+
+register_strategies()

@@ -1,0 +1,240 @@
+"""The communicator interface: the collectives every scheme needs, each one accounted.
+
+A :class:`Communicator` is the only object in the package that moves tensors between ranks.
+Each public method
+
+1. validates its arguments (shapes, splits, ranks) before anything is sent, so a bad call fails
+   on the rank that made it instead of hanging its peers;
+2. runs the collective on the backend (:class:`~lightning_commstrats.comm.TorchCommunicator` for
+   gloo / NCCL, :class:`~lightning_commstrats.comm.MPICommunicator` for mpi4py);
+3. charges this rank's :class:`~lightning_commstrats.comm.CommStats` with the bytes it sent
+   (formulas in :mod:`lightning_commstrats.comm.wire`) and the wall seconds it spent waiting,
+   under a *tag* naming the kind of traffic (``"grad"``, ``"weights"``, ``"control"``...).
+
+With one rank every collective is a local no-op that sends and records nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_commstrats.comm import wire
+from lightning_commstrats.comm.stats import CommStats
+
+ReduceOpName = Literal["sum", "avg", "max", "min"]
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Communicator(ABC):
+    """Collectives over ``world_size`` ranks with per-rank byte and time accounting.
+
+    Args:
+        rank: this process's rank in the communicator (0-based).
+        world_size: number of ranks.
+    """
+
+    backend: str = "local"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size) with world_size >= 1, got rank={rank}, {world_size=}")
+        self.rank = rank
+        self.world_size = world_size
+        self.stats = CommStats()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size})"
+
+    # ------------------------------------------------------------------ public, accounted collectives
+
+    def all_reduce(self, tensor: Tensor, op: ReduceOpName = "sum", *, tag: str = "grad") -> Tensor:
+        """Reduce ``tensor`` over all ranks, in place; returns it. ``op="avg"`` divides the sum by N."""
+        _check_op(op)
+        if self.world_size == 1:
+            return tensor
+        _check_contiguous(tensor, "tensor")
+        nbytes = wire.all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+        self._timed(tag, nbytes, tensor, lambda: self._all_reduce(tensor, "sum" if op == "avg" else op))
+        if op == "avg":
+            tensor.div_(self.world_size)
+        return tensor
+
+    def reduce_scatter(self, tensor: Tensor, op: ReduceOpName = "sum", *, tag: str = "grad") -> Tensor:
+        """Reduce a 1-D ``tensor`` of ``N * c`` elements over ranks; rank ``r`` gets chunk ``r`` (``c`` elements)."""
+        _check_op(op)
+        if tensor.dim() != 1 or tensor.numel() % self.world_size:
+            raise ValueError(
+                f"reduce_scatter needs a 1-D tensor whose length is divisible by world_size={self.world_size},"
+                f" got shape {tuple(tensor.shape)}"
+            )
+        if self.world_size == 1:
+            return tensor.clone()
+        _check_contiguous(tensor, "tensor")
+        out = tensor.new_empty(tensor.numel() // self.world_size)
+        nbytes = wire.reduce_scatter_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+        self._timed(tag, nbytes, out, lambda: self._reduce_scatter(out, tensor, "sum" if op == "avg" else op))
+        if op == "avg":
+            out.div_(self.world_size)
+        return out
+
+    def all_gather(self, tensor: Tensor, *, tag: str = "grad") -> Tensor:
+        """Gather equally shaped tensors from all ranks into a new tensor of shape ``(N, *tensor.shape)``."""
+        if self.world_size == 1:
+            return tensor.unsqueeze(0).clone()
+        _check_contiguous(tensor, "tensor")
+        out = tensor.new_empty((self.world_size, *tensor.shape))
+        nbytes = wire.all_gather_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+        self._timed(tag, nbytes, out, lambda: self._all_gather(out, tensor))
+        return out
+
+    def all_gather_uneven(self, tensor: Tensor, *, tag: str = "grad") -> list[Tensor]:
+        """Gather tensors whose first dimension differs between ranks; returns one tensor per rank.
+
+        Two collectives: an all-gather of the lengths (8 bytes each), then an all-gather of the
+        tensors padded to the longest (the padding travels and is counted).
+        """
+        if self.world_size == 1:
+            return [tensor.clone()]
+        lengths = self.all_gather(torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device), tag=tag)
+        lengths_list = [int(n) for n in lengths.flatten().tolist()]
+        longest = max(lengths_list)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = self.all_gather(padded, tag=tag)
+        return [gathered[r, :n] for r, n in enumerate(lengths_list)]
+
+    def all_to_all(
+        self,
+        tensor: Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int] | None = None,
+        *,
+        tag: str = "tokens",
+    ) -> Tensor:
+        """Exchange slices of ``tensor`` along dim 0: rows ``send_splits[j]`` go to rank ``j``.
+
+        Returns the received rows concatenated in rank order. When ``recv_splits`` is not given it
+        is learned first with an all-to-all of the counts (8 bytes per peer, counted under ``tag``).
+        Splits may be uneven and zero.
+        """
+        send_splits = [int(s) for s in send_splits]
+        if len(send_splits) != self.world_size or any(s < 0 for s in send_splits):
+            raise ValueError(f"send_splits must be {self.world_size} non-negative counts, got {send_splits}")
+        if sum(send_splits) != tensor.shape[0]:
+            raise ValueError(f"send_splits sum to {sum(send_splits)} but tensor has {tensor.shape[0]} rows")
+        if recv_splits is None:
+            counts = torch.tensor(send_splits, dtype=torch.int64, device=tensor.device)
+            recv_splits = self.all_to_all(counts, [1] * self.world_size, [1] * self.world_size, tag=tag).tolist()
+        recv_splits = [int(s) for s in recv_splits]
+        if len(recv_splits) != self.world_size or any(s < 0 for s in recv_splits):
+            raise ValueError(f"recv_splits must be {self.world_size} non-negative counts, got {recv_splits}")
+        if self.world_size == 1:
+            return tensor.clone()
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+        row = math.prod(tensor.shape[1:])
+        nbytes = wire.all_to_all_bytes([s * row for s in send_splits], tensor.element_size(), self.rank)
+        self._timed(tag, nbytes, out, lambda: self._all_to_all(out, tensor, recv_splits, send_splits))
+        return out
+
+    def broadcast(self, tensor: Tensor, src: int = 0, *, tag: str = "weights") -> Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; returns it."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src must be in [0, {self.world_size}), got {src}")
+        if self.world_size == 1:
+            return tensor
+        _check_contiguous(tensor, "tensor")
+        nbytes = wire.broadcast_bytes(tensor.numel(), tensor.element_size(), self.rank, src, self.world_size)
+        self._timed(tag, nbytes, tensor, lambda: self._broadcast(tensor, src))
+        return tensor
+
+    def barrier(self) -> None:
+        """Block until every rank has entered the barrier."""
+        if self.world_size == 1:
+            return
+        self._timed("control", 0, None, self._barrier)
+
+    def broadcast_object(self, obj: Any, src: int = 0, *, tag: str = "control") -> Any:
+        """Send a picklable object from ``src`` to every rank (length, then payload)."""
+        if self.world_size == 1:
+            return obj
+        payload = _to_bytes(obj) if self.rank == src else torch.empty(0, dtype=torch.uint8)
+        length = self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src, tag=tag)
+        if self.rank != src:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self.broadcast(payload, src, tag=tag)
+        return obj if self.rank == src else _from_bytes(payload)
+
+    def all_gather_object(self, obj: Any, *, tag: str = "control") -> list[Any]:
+        """Gather a picklable object from every rank; returns the list in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        return [_from_bytes(p) for p in self.all_gather_uneven(_to_bytes(obj), tag=tag)]
+
+    # ------------------------------------------------------------------ backend hooks
+
+    @abstractmethod
+    def _all_reduce(self, tensor: Tensor, op: str) -> None: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, out: Tensor, tensor: Tensor, op: str) -> None: ...
+
+    @abstractmethod
+    def _all_gather(self, out: Tensor, tensor: Tensor) -> None: ...
+
+    @abstractmethod
+    def _all_to_all(self, out: Tensor, tensor: Tensor, recv_splits: list[int], send_splits: list[int]) -> None: ...
+
+    @abstractmethod
+    def _broadcast(self, tensor: Tensor, src: int) -> None: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    # ------------------------------------------------------------------ helpers
+
+    def _timed(self, tag: str, nbytes: int, result: Tensor | None, fn: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        fn()
+        if result is not None and result.is_cuda:
+            # Collectives on CUDA are asynchronous to the host: wait, or the time would be launch time.
+            torch.cuda.current_stream(result.device).synchronize()
+        self.stats.record(tag, nbytes, time.perf_counter() - start)
+
+
+class LocalCommunicator(Communicator):
+    """The one-rank communicator: every collective is a local no-op and nothing is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=0, world_size=1)
+
+    def _all_reduce(self, tensor: Tensor, op: str) -> None:  # pragma: no cover - unreachable with one rank
+        raise AssertionError("unreachable")
+
+    _reduce_scatter = _all_gather = _all_to_all = _broadcast = _barrier = _all_reduce  # type: ignore[assignment]
+
+
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def _check_contiguous(tensor: Tensor, name: str) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (collectives write in place)")
+
+
+def _to_bytes(obj: Any) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _from_bytes(payload: Tensor) -> Any:
+    return pickle.loads(payload.cpu().numpy().tobytes())

@@ -1,0 +1,86 @@
+"""Communicator over ``torch.distributed`` process groups (gloo on CPU, NCCL on CUDA)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_commstrats.comm.base import Communicator
+
+log = logging.getLogger(__name__)
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchCommunicator(Communicator):
+    """Collectives on a ``torch.distributed`` process group.
+
+    Args:
+        group: the process group; ``None`` is the default (world) group, which must be initialised
+            (see :func:`init_process_group`).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
+        self.group = group
+        self.backend = str(dist.get_backend(group))
+        super().__init__(rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+
+    def _all_reduce(self, tensor: Tensor, op: str) -> None:
+        dist.all_reduce(tensor, op=_OPS[op], group=self.group)
+
+    def _reduce_scatter(self, out: Tensor, tensor: Tensor, op: str) -> None:
+        dist.reduce_scatter(out, list(tensor.chunk(self.world_size)), op=_OPS[op], group=self.group)
+
+    def _all_gather(self, out: Tensor, tensor: Tensor) -> None:
+        dist.all_gather(list(out.unbind(0)), tensor, group=self.group)
+
+    def _all_to_all(self, out: Tensor, tensor: Tensor, recv_splits: list[int], send_splits: list[int]) -> None:
+        dist.all_to_all_single(out, tensor, recv_splits, send_splits, group=self.group)
+
+    def _broadcast(self, tensor: Tensor, src: int) -> None:
+        dist.broadcast(tensor, src=self._global(src), group=self.group)
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def init_process_group(
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    main_address: str,
+    main_port: int,
+    device: torch.device,
+    timeout: timedelta,
+) -> None:
+    """Initialise the default process group once (a second call with the same world is a no-op)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of {dist.get_world_size()},"
+                f" not rank {rank} of {world_size}"
+            )
+        return
+    os.environ["MASTER_ADDR"] = main_address
+    os.environ["MASTER_PORT"] = str(main_port)
+    log.info(
+        "initialising %s process group: rank %d of %d at %s:%d", backend, rank, world_size, main_address, main_port
+    )
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

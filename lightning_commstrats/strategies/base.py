@@ -1,0 +1,332 @@
+"""The base of every strategy in the package: processes, ranks and a communicator, no DDP wrapper.
+
+:class:`CommStrategy` is a Lightning :class:`~lightning.pytorch.strategies.ParallelStrategy` that
+launches one process per device like ``ddp`` does (or runs under ``mpiexec``, SLURM, torchrun),
+connects the ranks through :mod:`lightning_commstrats.comm`, and leaves the model unwrapped. The
+schemes hook into two places of an optimizer step:
+
+- :meth:`CommStrategy.after_backward`: gradients of the optimizer's parameters are complete on this
+  rank (after gradient accumulation, before clipping and ``optimizer.step``). Gradient schemes
+  exchange here.
+- :meth:`CommStrategy.after_optimizer_step`: the local update is done. Weight schemes exchange here.
+
+Lightning's own traffic (``barrier``, ``broadcast``, ``reduce`` for ``self.log(..., sync_dist=True)``,
+``all_gather``) also goes through the communicator, tagged ``"control"`` or ``"metrics"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_commstrats.comm import BACKENDS, CommStats, Communicator, create_communicator, resolve_backend
+
+log = logging.getLogger(__name__)
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+_REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
+
+
+class CommStrategy(ParallelStrategy):
+    """Multi-process data parallelism whose communication is done by the package's communicator.
+
+    Args:
+        backend: ``"auto"`` (NCCL on CUDA, gloo on CPU), ``"gloo"``, ``"nccl"`` or ``"mpi"``
+            (mpi4py; start the ranks with ``mpiexec -n N``).
+        timeout: timeout of every torch.distributed collective.
+        start_method: how Lightning starts the ranks when it starts them itself: ``"popen"``
+            (re-run the script, like ``ddp``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
+            Lightning's ``DDPStrategy``; the Trainer fills them in.
+    """
+
+    strategy_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        start_method: str = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not supported; choose one of {START_METHODS}")
+        self._backend = backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._comm: Communicator | None = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+
+    # ------------------------------------------------------------------ configuration checks
+
+    @property  # type: ignore[override]
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+        if accelerator is not None:
+            if not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator)):
+                raise ValueError(
+                    f"{type(self).__name__} runs on accelerator='cpu' or 'cuda', got accelerator="
+                    f"{type(accelerator).__name__}"
+                )
+            resolve_backend(self._backend, "cuda" if isinstance(accelerator, CUDAAccelerator) else "cpu")
+        self._accelerator = accelerator
+
+    @property
+    def backend(self) -> str:
+        """The backend as given (``"auto"`` until the device is known)."""
+        return self._backend
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to shard the data with a distributed sampler."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._backend == "mpi" and self.num_nodes * self.num_processes > 1:
+            if not self.cluster_environment.creates_processes_externally:
+                raise RuntimeError(
+                    f"backend='mpi' with devices={self.num_processes} needs its ranks started by MPI:"
+                    f" run `mpiexec -n {self.num_nodes * self.num_processes} python <script>`"
+                )
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Assign ranks like ``ddp``; when the processes were started outside Lightning (``mpiexec``,
+        torchrun, SLURM), check that the Trainer's ``devices`` x ``num_nodes`` matches them."""
+        expected = self.num_nodes * self.num_processes
+        env = self.cluster_environment
+        if env is None:
+            return
+        launched = _externally_launched_world_size(env)
+        if launched is not None and self.num_processes and launched != expected:
+            raise ValueError(
+                f"The launcher started {launched} processes but the Trainer asks for devices={self.num_processes}"
+                f" x num_nodes={self.num_nodes} = {expected}; make them equal"
+            )
+        env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        env.set_world_size(expected)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def comm(self) -> Communicator:
+        """This rank's communicator (available once the strategy has set up its environment)."""
+        if self._comm is None:
+            raise RuntimeError(f"{type(self).__name__} has no communicator before Trainer.fit/validate/test starts")
+        return self._comm
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Cumulative communication statistics of this rank (bytes, calls, seconds, steps, per-step delta)."""
+        return self.comm.stats if self._comm is not None else CommStats()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self._comm is None:
+            env = self.cluster_environment
+            assert env is not None
+            multi = self.world_size > 1 and self._backend != "mpi"
+            self._comm = create_communicator(
+                self._backend,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                device=self.root_device,
+                main_address=env.main_address if multi else "127.0.0.1",
+                main_port=env.main_port if multi else 0,
+                timeout=self._timeout,
+            )
+        log.info("%s: rank %d of %d over %r", type(self).__name__, self.global_rank, self.world_size, self._comm)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # Every rank starts from rank 0's weights, as DDP does when it wraps a model.
+        self.broadcast_module(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def broadcast_module(self, module: Module, src: int = 0) -> None:
+        """Overwrite every parameter and buffer of ``module`` with rank ``src``'s (tag ``"weights"``)."""
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                if t.is_contiguous():
+                    self.comm.broadcast(t.data, src, tag="weights")
+                else:
+                    t.copy_(self.comm.broadcast(t.detach().contiguous(), src, tag="weights"))
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.comm_stats.start_clock()
+
+    # ------------------------------------------------------------------ the optimizer step
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_exchange() -> Any:
+            result = closure()
+            self.after_backward(optimizer)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
+        self.after_optimizer_step(optimizer)
+        self.comm_stats.mark_step()
+        return output
+
+    def after_backward(self, optimizer: Optimizer) -> None:
+        """Called once per optimizer step when this rank's gradients are complete (before clipping)."""
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Called after every optimizer step, once the local update is applied."""
+
+    # ------------------------------------------------------------------ Lightning's collectives
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self._comm is not None:
+            self._comm.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if self._comm is None:
+            return obj
+        return self._comm.broadcast_object(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or self._comm is None:
+            return tensor
+        if group is not None:
+            raise ValueError(f"{type(self).__name__}.reduce supports only the world group, got group={group!r}")
+        op = _reduce_op_name(reduce_op)
+        out = tensor.detach().clone().contiguous()
+        if out.is_floating_point() or op != "avg":
+            return self._comm.all_reduce(out, op, tag="metrics")
+        return self._comm.all_reduce(out.double(), "avg", tag="metrics")
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if group is not None or sync_grads:
+            raise ValueError(f"{type(self).__name__}.all_gather supports neither group= nor sync_grads=True")
+        if self._comm is None:
+            return tensor
+        return self._comm.all_gather(tensor.detach().contiguous(), tag="metrics")
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name:
+            strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
+
+
+def _reduce_op_name(reduce_op: ReduceOp | str | None) -> str:
+    if reduce_op is None:
+        return "avg"
+    key = reduce_op.lower() if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
+    if key not in _REDUCE_OPS:
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {sorted(_REDUCE_OPS)}")
+    return _REDUCE_OPS[key]
+
+
+def _externally_launched_world_size(env: ClusterEnvironment) -> int | None:
+    """How many processes a launcher outside Lightning started (``mpiexec``, torchrun, SLURM), if known."""
+    if not env.creates_processes_externally:
+        return None
+    if isinstance(env, LightningEnvironment):
+        # Lightning's own environment learns the size from the Trainer; a launcher that sets
+        # LOCAL_RANK itself also exports WORLD_SIZE (as torchrun and Lightning's children do).
+        return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    return env.world_size()

@@ -1,0 +1,135 @@
+"""Runs real multi-rank trainings in separate processes and returns each rank's results.
+
+Ranks are started either the way torchrun does (one process per rank with ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment; Lightning sees them as an
+external launch) or under ``mpiexec -n N`` (Lightning's ``MPIEnvironment``). Every rank runs
+``tests/multiprocess/worker.py`` on the same JSON spec and saves ``rank<r>.pt``. A run that fails or
+outlives its timeout kills every rank and raises with the ranks' output, so a test never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORKER = Path(__file__).parent / "multiprocess" / "worker.py"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpiexec() -> str | None:
+    """The ``mpiexec`` beside this interpreter (the mpich wheel's), else one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def _base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(key, None)
+    env["OMP_NUM_THREADS"] = "1"  # several ranks share two cores
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_ranks(
+    spec: dict[str, Any],
+    world_size: int,
+    *,
+    launcher: str = "env",
+    timeout: float = 300.0,
+    script: Path = WORKER,
+) -> list[dict[str, Any]]:
+    """Run ``script`` on ``world_size`` ranks with ``spec``; return the per-rank result dicts in rank order."""
+    out = Path(tempfile.mkdtemp(prefix="commstrats-ranks-"))
+    args = [sys.executable, str(script), json.dumps(spec), str(out)]
+    env = _base_env()
+    procs: list[subprocess.Popen] = []
+    logs = [open(out / f"log{r}.txt", "w+") for r in range(world_size if launcher == "env" else 1)]
+    try:
+        if launcher == "env":
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), NODE_RANK="0")
+            for r in range(world_size):
+                procs.append(
+                    subprocess.Popen(
+                        args,
+                        env={**env, "LOCAL_RANK": str(r)},
+                        stdout=logs[r],
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        elif launcher == "mpiexec":
+            exe = mpiexec()
+            if exe is None:
+                raise RuntimeError("mpiexec not found: install the mpich wheel (`pip install mpich`)")
+            procs.append(
+                subprocess.Popen(
+                    [exe, "-n", str(world_size), *args],
+                    env=env,
+                    stdout=logs[0],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        else:
+            raise ValueError(f"launcher must be 'env' or 'mpiexec', got {launcher!r}")
+        try:
+            _wait_all(procs, timeout)
+        except TimeoutError as err:
+            raise RuntimeError(f"{err}:\n{_tails(logs)}") from err
+        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            raise RuntimeError(f"ranks {failed} failed:\n{_tails(logs)}")
+        return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    finally:
+        for p in procs:
+            _kill(p)
+        for f in logs:
+            f.close()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            time.sleep(2.0)  # let the other ranks print their side of the failure, then stop them
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks still running after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def _tails(logs: list) -> str:
+    parts = []
+    for r, f in enumerate(logs):
+        f.seek(0)
+        parts.append(f"--- log {r} ---\n" + f.read()[-4000:])
+    return "\n".join(parts)

@@ -1,0 +1,125 @@
+"""One rank of a multi-process test (started by ``tests/harness.py``).
+
+Usage: ``worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"scenarios": {name: scenario}}``; each scenario is
+trained in turn with a fresh model and Trainer, and this rank saves ``OUT_DIR/rank<r>.pt`` holding,
+per scenario, the final parameters, the communication statistics and the training losses.
+
+Scenario keys: ``strategy`` ("ddp" or a package registry name), ``kwargs`` (strategy arguments),
+``model`` ("mlp" or "manual2": two optimizers under manual optimization), ``devices``,
+``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_commstrats
+from lightning_commstrats import CommStatsMonitor
+
+
+class Mlp(BoringModel):
+    """Two layers with momentum SGD; regresses a random target."""
+
+    def __init__(self, batch_size: int = 4, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.batch_size = batch_size
+        self.momentum = momentum
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        out = self(batch)
+        loss = nn.functional.mse_loss(out, batch[:, :2])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 256), batch_size=self.batch_size, shuffle=False)
+
+
+class ManualTwoOptimizers(Mlp):
+    """Manual optimization with one optimizer per layer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt_a, opt_b = self.optimizers()
+        loss = nn.functional.mse_loss(self(batch), batch[:, :2])
+        self.losses.append(loss.item())
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.SGD(self.layer[0].parameters(), lr=0.1, momentum=self.momentum),
+            torch.optim.Adam(self.layer[2].parameters(), lr=0.01),
+        )
+
+
+MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers}
+
+
+def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    L.seed_everything(sc.get("seed", 7), verbose=False)
+    model = MODELS[sc.get("model", "mlp")](batch_size=sc.get("batch_size", 4), momentum=sc.get("momentum", 0.9))
+    name = sc["strategy"]
+    ours = name != "ddp"
+    strategy = L.pytorch.strategies.StrategyRegistry[name]["strategy"](**sc.get("kwargs", {})) if ours else name
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=sc.get("devices", 2),
+        strategy=strategy,
+        max_steps=sc.get("max_steps", 8),
+        accumulate_grad_batches=sc.get("accumulate", 1),
+        gradient_clip_val=sc.get("clip"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[CommStatsMonitor(summary_at_end=False)] if ours else [],
+    )
+    trainer.fit(model)
+    result: dict[str, Any] = {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "losses": model.losses,
+        "world_size": trainer.world_size,
+    }
+    if ours:
+        stats = trainer.strategy.comm_stats
+        result["stats"] = stats.snapshot().as_dict()
+        result["last_step"] = stats.last_step.as_dict()
+        result["comm"] = repr(trainer.strategy.comm)
+    return trainer.global_rank, result
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = Path(sys.argv[2])
+    assert "allreduce" in L.pytorch.strategies.StrategyRegistry, lightning_commstrats.__name__
+    results = {}
+    rank = 0
+    for name, scenario in spec["scenarios"].items():
+        rank, results[name] = run_scenario(scenario)
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
