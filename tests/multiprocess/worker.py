@@ -107,6 +107,7 @@ def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         result["stats"] = stats.snapshot().as_dict()
         result["last_step"] = stats.last_step.as_dict()
         result["comm"] = repr(trainer.strategy.comm)
+        result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
     return trainer.global_rank, result
 
 

@@ -1,0 +1,73 @@
+import time
+
+import pytest
+
+from lightning_commstrats.comm import CommStats, LocalCommunicator, delta
+
+
+def test_record_accumulates_totals_and_tags():
+    s = CommStats()
+    s.record("grad", 100, 0.5)
+    s.record("grad", 50, 0.25)
+    s.record("control", 0, 0.1)
+    assert (s.bytes_sent, s.calls) == (150, 3)
+    assert s.comm_seconds == pytest.approx(0.85)
+    assert s.by_tag["grad"].bytes_sent == 150 and s.by_tag["grad"].calls == 2
+    assert s.by_tag["control"].calls == 1
+
+
+def test_mark_step_closes_a_delta():
+    s = CommStats()
+    s.record("grad", 100, 0.0)
+    first = s.mark_step()
+    s.record("grad", 30, 0.0)
+    s.record("weights", 7, 0.0)
+    second = s.mark_step()
+    assert (first.bytes_sent, first.steps) == (100, 1)
+    assert (second.bytes_sent, second.calls, second.steps) == (37, 2, 1)
+    assert second.by_tag["grad"].bytes_sent == 30 and second.by_tag["weights"].bytes_sent == 7
+    assert s.last_step is second and s.steps == 2
+
+
+def test_snapshot_delta_and_flat_dict():
+    s = CommStats()
+    a = s.snapshot()
+    time.sleep(0.01)
+    s.record("grad", 8, 0.001)
+    d = delta(s.snapshot(), a)
+    assert d.bytes_sent == 8 and d.wall_seconds >= 0.01
+    assert d.compute_seconds == pytest.approx(d.wall_seconds - d.comm_seconds)
+    flat = d.as_dict()
+    assert flat["grad/bytes_sent"] == 8 and flat["bytes_sent"] == 8 and "compute_seconds" in flat
+
+
+def test_local_communicator_is_a_free_no_op():
+    import torch
+
+    comm = LocalCommunicator()
+    t = torch.arange(6.0)
+    assert comm.all_reduce(t, "avg") is t
+    assert torch.equal(comm.all_gather(t), t.unsqueeze(0))
+    assert torch.equal(comm.all_to_all(t, [6]), t)
+    assert torch.equal(comm.reduce_scatter(t), t)
+    assert comm.broadcast_object({"a": 1}) == {"a": 1}
+    assert comm.all_gather_object(3) == [3]
+    comm.barrier()
+    assert comm.stats.calls == 0 and comm.stats.bytes_sent == 0
+
+
+def test_bad_collective_arguments_fail_before_sending():
+    import torch
+
+    comm = LocalCommunicator()
+    t = torch.zeros(4)
+    with pytest.raises(ValueError, match="op must be one of"):
+        comm.all_reduce(t, "prod")
+    with pytest.raises(ValueError, match="send_splits sum to 3"):
+        comm.all_to_all(t, [3])
+    with pytest.raises(ValueError, match="send_splits must be 1"):
+        comm.all_to_all(t, [2, 2])
+    with pytest.raises(ValueError, match="src must be"):
+        comm.broadcast(t, src=1)
+    with pytest.raises(ValueError, match="1-D"):
+        comm.reduce_scatter(torch.zeros(2, 2))

@@ -1,0 +1,109 @@
+"""One rank of the communication-layer test: runs every collective on known inputs, checks the
+results against values computed locally, and saves the recorded bytes per collective.
+
+Usage: ``comm_worker.py SPEC_JSON OUT_DIR`` with SPEC ``{"backend": "gloo" | "mpi", "numels": [...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_commstrats.comm import create_communicator
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = Path(sys.argv[2])
+    backend = spec["backend"]
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    else:
+        rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    comm = create_communicator(
+        backend,
+        rank=rank,
+        world_size=world,
+        device=torch.device("cpu"),
+        main_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        main_port=int(os.environ.get("MASTER_PORT", 0)),
+    )
+    recorded: dict[str, int] = {}
+
+    def charge(name: str, fn):
+        before = comm.stats.bytes_sent
+        result = fn()
+        recorded[name] = comm.stats.bytes_sent - before
+        return result
+
+    for k in spec["numels"]:
+        t = torch.arange(k, dtype=torch.float32) + rank
+        charge(f"all_reduce_{k}", lambda t=t: comm.all_reduce(t, "sum"))
+        expected = (torch.arange(k, dtype=torch.float32) * world) + sum(range(world))
+        torch.testing.assert_close(t, expected)
+
+    t = torch.full((3,), float(rank))
+    charge("all_reduce_avg", lambda: comm.all_reduce(t, "avg"))
+    torch.testing.assert_close(t, torch.full((3,), (world - 1) / 2))
+
+    t = torch.full((2,), float(rank))
+    charge("all_reduce_max", lambda: comm.all_reduce(t, "max"))
+    torch.testing.assert_close(t, torch.full((2,), float(world - 1)))
+
+    # reduce-scatter: rank r gets chunk r of the sum
+    t = torch.arange(4 * world, dtype=torch.float32) * (rank + 1)
+    chunk = charge("reduce_scatter", lambda: comm.reduce_scatter(t, "sum"))
+    total = torch.arange(4 * world, dtype=torch.float32) * sum(range(1, world + 1))
+    torch.testing.assert_close(chunk, total[4 * rank : 4 * rank + 4])
+
+    # all-gather of equal shapes
+    t = torch.full((2, 3), float(rank))
+    g = charge("all_gather", lambda: comm.all_gather(t))
+    torch.testing.assert_close(g, torch.stack([torch.full((2, 3), float(r)) for r in range(world)]))
+
+    # uneven all-gather: rank r contributes r+1 rows
+    t = torch.full((rank + 1, 2), float(rank), dtype=torch.int64)
+    parts = charge("all_gather_uneven", lambda: comm.all_gather_uneven(t))
+    for r, p in enumerate(parts):
+        assert torch.equal(p, torch.full((r + 1, 2), r, dtype=torch.int64))
+
+    # all-to-all with uneven splits (including zero): rank r sends (r + j) % 3 rows to rank j,
+    # each row [r, j, i] with width 3; uint8 payload as the quantizers send it.
+    send_splits = [(rank + j) % 3 for j in range(world)]
+    rows = [torch.tensor([rank, j, i], dtype=torch.uint8) for j in range(world) for i in range(send_splits[j])]
+    x = torch.stack(rows) if rows else torch.empty(0, 3, dtype=torch.uint8)
+    y = charge("all_to_all", lambda: comm.all_to_all(x, send_splits))
+    expected_rows = [torch.tensor([s, rank, i], dtype=torch.uint8) for s in range(world) for i in range((s + rank) % 3)]
+    assert torch.equal(y, torch.stack(expected_rows) if expected_rows else torch.empty(0, 3, dtype=torch.uint8))
+    recorded["all_to_all_rows_sent"] = sum(send_splits) - send_splits[rank]
+
+    # broadcast from the last rank
+    t = torch.full((5,), float(rank))
+    charge("broadcast", lambda: comm.broadcast(t, src=world - 1))
+    torch.testing.assert_close(t, torch.full((5,), float(world - 1)))
+
+    obj = charge("broadcast_object", lambda: comm.broadcast_object({"from": rank, "x": [1, 2]} if rank == 0 else None))
+    assert obj == {"from": 0, "x": [1, 2]}
+    objs = comm.all_gather_object(("rank", rank))
+    assert objs == [("rank", r) for r in range(world)]
+
+    # bf16 and uint8 travel too
+    t = torch.full((4,), 1.5, dtype=torch.bfloat16)
+    comm.all_reduce(t, "sum")
+    torch.testing.assert_close(t.float(), torch.full((4,), 1.5 * world))
+    comm.barrier()
+
+    torch.save(
+        {"recorded": recorded, "calls": comm.stats.calls, "by_tag": comm.stats.by_tag, "comm": repr(comm)},
+        out / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
