@@ -18,7 +18,11 @@ def test_import_registers_names_once():
 
 
 def test_import_in_a_fresh_interpreter():
-    code = "import lightning_commstrats, lightning_commstrats; from lightning.pytorch.strategies import StrategyRegistry as R; print(R['allreduce']['strategy'].__name__)"
+    code = (
+        "import lightning_commstrats, lightning_commstrats\n"
+        "from lightning.pytorch.strategies import StrategyRegistry as R\n"
+        "print(R['allreduce']['strategy'].__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "AllReduceStrategy"
 
@@ -30,7 +34,7 @@ def test_name_clash_with_another_package_is_an_error():
         pass
 
     registry.register("allreduce", SomeoneElses)
-    with pytest.raises(RuntimeError, match="'allreduce' is already registered to .*SomeoneElses"):
+    with pytest.raises(RuntimeError, match=r"'allreduce' is already registered to .*SomeoneElses"):
         register_strategies(registry)
 
 
