@@ -1,0 +1,198 @@
+"""Text corpora for language modelling: checks, tokenizer training with a cache, token streams.
+
+Pure data code (no Lightning): the DataModule in :mod:`lightning_commstrats.data.datamodule` wires it.
+
+- :func:`check_text_file` reads a file once before anything is trained on it and names the path
+  (missing or empty file) or the path and line (bytes that are not UTF-8).
+- :func:`load_tokenizer` trains a word-level vocabulary (the most frequent words, ``<unk>`` for the
+  rest, as the 2018 multi-GPU NLM paper did) or a BPE model on the train split, and caches it under
+  a key that changes with the corpus bytes and every setting; the cache file appears whole or not
+  at all.
+- :class:`StreamWindows` and :class:`NGramWindows` turn a token stream into training examples.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tokenizers
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from torch import Tensor
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+BROWN_DIR = Path(__file__).parent / "brown"
+UNK, EOS, PAD = "<unk>", "<eos>", "<pad>"
+SPECIAL_TOKENS = (UNK, EOS, PAD)
+IGNORE_INDEX = -100
+TOKENIZER_KINDS = ("word", "bpe")
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def check_text_file(path: str | os.PathLike) -> int:
+    """Check that ``path`` exists, is UTF-8 throughout and has text; return its number of non-blank lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    lines = 0
+    with _open_binary(path) as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}, line {number}: bytes that are not UTF-8 ({err.reason} at byte {err.start} of the line)"
+                ) from None
+            lines += bool(text.strip())
+    if lines == 0:
+        raise ValueError(f"{path} is empty: it has no line of text")
+    return lines
+
+
+def file_digest(paths: Iterable[str | os.PathLike]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def train_tokenizer(lines: Iterable[str], kind: str, max_vocab_size: int, min_frequency: int = 1) -> Tokenizer:
+    """Train a tokenizer on whitespace-separated text.
+
+    Args:
+        lines: training text, one sentence per item.
+        kind: ``"word"``: one id per word, the ``max_vocab_size - 3`` most frequent words plus
+            ``<unk>``, ``<eos>``, ``<pad>``; ``"bpe"``: byte-pair merges up to ``max_vocab_size``.
+        max_vocab_size: vocabulary cap, special tokens included.
+        min_frequency: words (or merges) seen fewer times map to ``<unk>`` (are not learned).
+    """
+    if kind == "word":
+        tok = Tokenizer(models.WordLevel(unk_token=UNK))
+        trainer = trainers.WordLevelTrainer(
+            vocab_size=max_vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
+        )
+    elif kind == "bpe":
+        tok = Tokenizer(models.BPE(unk_token=UNK))
+        trainer = trainers.BpeTrainer(
+            vocab_size=max_vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
+        )
+    else:
+        raise ValueError(f"tokenizer={kind!r} is not supported; choose one of {TOKENIZER_KINDS}")
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(lines, trainer)
+    return tok
+
+
+def load_tokenizer(
+    data_key: str,
+    lines: Iterable[str],
+    *,
+    kind: str,
+    max_vocab_size: int,
+    min_frequency: int,
+    cache_dir: str | os.PathLike,
+) -> Tokenizer:
+    """The tokenizer for the train text ``lines``, from the cache when its key matches, else trained and cached.
+
+    The key hashes ``data_key`` (a digest of the train text, e.g. :func:`file_digest`), the settings
+    and the tokenizers version. The cache file is
+    written to a temporary name and renamed into place, so a failure (or a rank racing another)
+    never leaves a partial file behind.
+    """
+    settings = {"kind": kind, "max_vocab_size": max_vocab_size, "min_frequency": min_frequency}
+    key_src = json.dumps({**settings, "data": data_key, "tokenizers": tokenizers.__version__})
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    cache_dir = Path(cache_dir)
+    path = cache_dir / f"tokenizer-{kind}-{key}.json"
+    if path.is_file():
+        log.info("tokenizer from cache %s", path)
+        return Tokenizer.from_file(str(path))
+    tok = train_tokenizer(lines, kind, max_vocab_size, min_frequency)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tokenizer-", suffix=".tmp")
+    os.close(fd)
+    try:
+        tok.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("tokenizer trained (%d entries) and cached at %s", tok.get_vocab_size(), path)
+    return tok
+
+
+def encode_stream(tok: Tokenizer, lines: Sequence[str]) -> Tensor:
+    """One token stream: every non-blank line's ids followed by ``<eos>`` (int64)."""
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch([line for line in lines if line.strip()]):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+class StreamWindows(Dataset):
+    """Consecutive non-overlapping windows of a token stream for next-token prediction.
+
+    Item ``i`` is ``(x, y)`` with ``x = stream[iL : iL+L]`` and ``y = stream[iL+1 : iL+L+1]``. The
+    last window is padded: ``x`` with ``pad_id``, ``y`` with ``IGNORE_INDEX`` (-100), which the loss
+    and perplexity skip, so padding never changes them.
+    """
+
+    def __init__(self, stream: Tensor, seq_len: int, pad_id: int) -> None:
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be > 0, got {seq_len}")
+        if stream.numel() < 2:
+            raise ValueError("the token stream needs at least 2 tokens")
+        self.stream = stream
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return -(-(self.stream.numel() - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        start = i * self.seq_len
+        x = self.stream[start : start + self.seq_len]
+        y = self.stream[start + 1 : start + self.seq_len + 1]
+        if y.numel() < self.seq_len:
+            pad = self.seq_len - y.numel()
+            x = torch.cat([x[: y.numel()], x.new_full((pad,), self.pad_id)])
+            y = torch.cat([y, y.new_full((pad,), IGNORE_INDEX)])
+        return x, y
+
+
+class NGramWindows(Dataset):
+    """Every token of a stream with its ``order - 1`` predecessors, for a feed-forward n-gram LM.
+
+    Item ``i`` is ``(context, target)``: ``context`` holds the ``order - 1`` tokens before token ``i``
+    (the stream's start is preceded by ``<eos>``, as if a sentence had just ended), ``target`` is a
+    1-element tensor with token ``i``.
+    """
+
+    def __init__(self, stream: Tensor, order: int, eos_id: int) -> None:
+        if order < 2:
+            raise ValueError(f"n-gram order must be >= 2, got {order}")
+        self.order = order
+        self.stream = stream
+        self.padded = torch.cat([stream.new_full((order - 1,), eos_id), stream])
+
+    def __len__(self) -> int:
+        return self.stream.numel()
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.padded[i : i + self.order - 1], self.stream[i : i + 1]

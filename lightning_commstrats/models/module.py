@@ -1,0 +1,193 @@
+"""``LanguageModel``: the LightningModule that trains any of the package's LMs.
+
+Cross-entropy on next-token prediction (padding masked), perplexity with ``torchmetrics`` on
+validation and test, SGD or Adam(W) with warm-up and a constant, cosine or per-epoch decay schedule.
+Gradient clipping is the Trainer's (``gradient_clip_val``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from torchmetrics.text import Perplexity
+
+from lightning_commstrats.data.corpus import IGNORE_INDEX
+from lightning_commstrats.models.base import LanguageModelBase
+from lightning_commstrats.models.ffn import FFNLM, FFNConfig
+from lightning_commstrats.models.lstm import LSTMLM, LSTMConfig
+from lightning_commstrats.models.transformer import TransformerConfig, TransformerLM
+
+ARCHS = ("lstm", "ffn", "transformer")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "epoch_decay")
+
+
+def build_model(
+    arch: str,
+    vocab_size: int,
+    embed_dim: int,
+    hidden_dim: int,
+    num_layers: int,
+    dropout: float,
+    tie_weights: bool,
+    order: int,
+    num_heads: int,
+    ffn_dim: int,
+    max_seq_len: int,
+) -> LanguageModelBase:
+    """Build an LM by name; for the Transformer ``hidden_dim`` is ``d_model`` and ``embed_dim`` is unused."""
+    if arch == "lstm":
+        return LSTMLM(LSTMConfig(vocab_size, embed_dim, hidden_dim, num_layers, dropout, tie_weights))
+    if arch == "ffn":
+        return FFNLM(FFNConfig(vocab_size, order, embed_dim, hidden_dim, num_layers, dropout, tie_weights))
+    if arch == "transformer":
+        return TransformerLM(
+            TransformerConfig(vocab_size, hidden_dim, num_heads, num_layers, ffn_dim, max_seq_len, dropout, tie_weights)
+        )
+    raise ValueError(f"arch={arch!r} is not supported; choose one of {ARCHS}")
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy over the positions whose target is not ``IGNORE_INDEX``."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class LanguageModel(L.LightningModule):
+    """Next-token language model training.
+
+    Args:
+        arch: ``"lstm"``, ``"ffn"`` (feed-forward n-gram) or ``"transformer"``.
+        vocab_size: vocabulary entries (the CLI links it from the DataModule).
+        embed_dim: word embedding size (LSTM, FFN).
+        hidden_dim: LSTM state size, FFN hidden width, Transformer ``d_model``.
+        num_layers: LSTM layers, FFN hidden layers or Transformer blocks.
+        dropout: dropout probability.
+        tie_weights: share the input embedding and output matrices.
+        order: n-gram order of the FFN LM (linked from the DataModule).
+        num_heads: attention heads (Transformer).
+        ffn_dim: Transformer feed-forward width.
+        max_seq_len: Transformer positions (the CLI links it to the DataModule's ``seq_len``).
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+        lr: peak learning rate.
+        momentum: SGD momentum.
+        weight_decay: L2 (SGD, Adam) or decoupled (AdamW) weight decay.
+        lr_schedule: ``"constant"``, ``"cosine"`` (to 0 over the run) or ``"epoch_decay"``
+            (multiply by ``lr_decay`` after every epoch).
+        warmup_steps: linear warm-up from 0, in optimizer steps.
+        lr_decay: factor per epoch for ``"epoch_decay"``.
+    """
+
+    def __init__(
+        self,
+        arch: str = "lstm",
+        vocab_size: int = 10000,
+        embed_dim: int = 256,
+        hidden_dim: int = 256,
+        num_layers: int = 1,
+        dropout: float = 0.0,
+        tie_weights: bool = False,
+        order: int = 5,
+        num_heads: int = 4,
+        ffn_dim: int = 1024,
+        max_seq_len: int = 512,
+        optimizer: str = "adam",
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        lr_decay: float = 0.5,
+    ) -> None:
+        super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}")
+        if lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule={lr_schedule!r} is not supported; choose one of {SCHEDULES}")
+        if lr <= 0 or warmup_steps < 0 or not 0 < lr_decay <= 1:
+            raise ValueError(f"need lr > 0, warmup_steps >= 0, 0 < lr_decay <= 1; got {lr}, {warmup_steps}, {lr_decay}")
+        self.save_hyperparameters()
+        self.net = build_model(
+            arch,
+            vocab_size,
+            embed_dim,
+            hidden_dim,
+            num_layers,
+            dropout,
+            tie_weights,
+            order,
+            num_heads,
+            ffn_dim,
+            max_seq_len,
+        )
+        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self.test_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.net(tokens)
+
+    def setup(self, stage: str) -> None:
+        # Under this package's strategies the metric states travel through the communication layer
+        # (counted, and working over MPI too); elsewhere torchmetrics uses torch.distributed.
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "comm") and hasattr(strategy, "comm_stats"):
+            for metric in (self.val_ppl, self.test_ppl):
+                metric.dist_sync_fn = self._gather_metric_state
+                metric.distributed_available_fn = lambda: self.trainer.world_size > 1
+
+    def _gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+        return list(self.trainer.strategy.comm.all_gather(tensor.contiguous(), tag="metrics").unbind(0))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = lm_loss(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ppl", loss.detach().exp())
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_ppl.update(logits.float(), y)
+        self.log("val/loss", lm_loss(logits, y), sync_dist=True)
+        self.log("val/ppl", self.val_ppl, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.test_ppl.update(logits.float(), y)
+        self.log("test/loss", lm_loss(logits, y), sync_dist=True)
+        self.log("test/ppl", self.test_ppl)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        params = self.parameters()
+        if hp.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        elif hp.optimizer == "adam":
+            opt = torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        else:
+            opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1) if hp.lr_schedule == "cosine" else 0
+        steps_per_epoch = self._steps_per_epoch() if hp.lr_schedule == "epoch_decay" else 1
+
+        def factor(step: int) -> float:
+            warm = min(1.0, (step + 1) / hp.warmup_steps) if hp.warmup_steps else 1.0
+            if hp.lr_schedule == "cosine":
+                return warm * 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0)))
+            if hp.lr_schedule == "epoch_decay":
+                return warm * hp.lr_decay ** (step // steps_per_epoch)
+            return warm
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _steps_per_epoch(self) -> int:
+        trainer = self.trainer
+        total = trainer.estimated_stepping_batches
+        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1
+        return max(int(total // epochs), 1) if math.isfinite(total) else 1

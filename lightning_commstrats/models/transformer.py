@@ -1,0 +1,102 @@
+"""Decoder-only Transformer language model (pre-norm, learned positions, causal attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_commstrats.models.base import LanguageModelBase, check_common, declare, tie
+
+
+@dataclass
+class TransformerConfig:
+    vocab_size: int
+    d_model: int = 256
+    num_heads: int = 4
+    num_layers: int = 2
+    ffn_dim: int = 1024
+    max_seq_len: int = 512
+    dropout: float = 0.1
+    tie_weights: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, ffn_dim)
+        self.down = nn.Linear(ffn_dim, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, c: TransformerConfig) -> None:
+        super().__init__()
+        self.norm1 = declare(nn.LayerNorm(c.d_model), "norm")
+        self.attn = declare(CausalSelfAttention(c.d_model, c.num_heads, c.dropout), "attention")
+        self.norm2 = declare(nn.LayerNorm(c.d_model), "norm")
+        self.ffn = declare(FeedForward(c.d_model, c.ffn_dim, c.dropout), "ffn")
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.ffn(self.norm2(x))
+
+
+class TransformerLM(LanguageModelBase):
+    """Token + position embeddings -> pre-norm blocks (causal attention, GELU FFN) -> norm -> softmax."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        check_common(config.vocab_size, config.dropout)
+        if config.d_model % config.num_heads:
+            raise ValueError(f"d_model={config.d_model} must be divisible by num_heads={config.num_heads}")
+        if config.num_layers < 1 or config.max_seq_len < 1:
+            raise ValueError("num_layers and max_seq_len must be >= 1")
+        self.config = config
+        self.embedding = declare(nn.Embedding(config.vocab_size, config.d_model), "embedding")
+        self.position = declare(nn.Embedding(config.max_seq_len, config.d_model), "embedding")
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = declare(nn.LayerNorm(config.d_model), "norm")
+        self.output = declare(nn.Linear(config.d_model, config.vocab_size), "output")
+        self.apply(_init)
+        if config.tie_weights:
+            tie(self.output, self.embedding)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        pos = torch.arange(t, device=tokens.device)
+        x = self.drop(self.embedding(tokens) + self.position(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.output(self.norm(x))
+
+
+def _init(m: nn.Module) -> None:
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)

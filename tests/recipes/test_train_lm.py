@@ -1,0 +1,84 @@
+"""The LM recipe's real CLI on the tiny config, in process (1 rank) and as a 2-rank launch."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_commstrats.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+TINY = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses_and_opens_with_its_command(config, capsys):
+    first = config.read_text().splitlines()[0]
+    assert first == f"# python recipes/train_lm.py fit --config recipes/configs/{config.name}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "class_path: lightning_commstrats.CommStatsMonitor" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["--model.arch=ffn", "--data.mode=ngram", "--data.order=3"],
+        ["--model.arch=transformer", "--model.num_heads=2", "--data.tokenizer=bpe"],
+    ],
+    ids=["lstm", "ffn", "transformer-bpe"],
+)
+def test_tiny_fit_then_test_one_rank(overrides):
+    cli = main(["fit", "--config", TINY, *overrides])
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["val/ppl"]) and metrics["val/ppl"] > 1
+    assert cli.trainer.global_step == 6
+    assert cli.trainer.strategy.comm_stats.steps == 6
+    assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size  # linked from the data
+
+
+def test_same_seed_same_losses():
+    runs = []
+    for _ in range(2):
+        cli = main(["fit", "--config", TINY, "--trainer.max_steps=4"])
+        runs.append(
+            (float(cli.trainer.callback_metrics["train/loss"]), [p.detach().clone() for p in cli.model.parameters()])
+        )
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.multiprocess
+def test_tiny_fit_two_ranks_through_the_script():
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "train_lm.py"), "fit", "--config", TINY, "--trainer.devices=2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[lm] valid perplexity" in out
+    summary = next(line for line in out.splitlines() if line.startswith("[comm] steps 6"))
+    assert "grad" in summary and " 0.000 MB (" not in summary
+
+
+@pytest.mark.slow
+def test_demo_lstm_one_epoch_one_rank_beats_the_unigram_model_by_30_percent():
+    demo = str(REPO / "recipes" / "configs" / "lstm_demo.yaml")
+    cli = main(["fit", "--config", demo, "--trainer.devices=1", "--trainer.enable_progress_bar=false"])
+    ppl = float(cli.trainer.callback_metrics["val/ppl"])
+    unigram = cli.datamodule.unigram_perplexity("valid")
+    print(f"demo LSTM after one epoch on 1 rank: valid perplexity {ppl:.2f}, unigram {unigram:.2f}")
+    assert ppl <= 0.7 * unigram
