@@ -11,7 +11,7 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 from lightning_commstrats._registry import register_strategies
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
-from lightning_commstrats.strategies import STRATEGIES, AllReduceStrategy, CommStrategy
+from lightning_commstrats.strategies import STRATEGIES, AllReduceStrategy, CommStrategy, OneBitSGDStrategy
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "CommStatsMonitor",
     "CommStrategy",
     "Communicator",
+    "OneBitSGDStrategy",
     "register_strategies",
 ]
 

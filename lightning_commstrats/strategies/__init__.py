@@ -2,7 +2,8 @@
 
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy
 from lightning_commstrats.strategies.base import CommStrategy
+from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
 
-STRATEGIES: tuple[type[CommStrategy], ...] = (AllReduceStrategy,)
+STRATEGIES: tuple[type[CommStrategy], ...] = (AllReduceStrategy, OneBitSGDStrategy)
 
-__all__ = ["STRATEGIES", "AllReduceStrategy", "CommStrategy"]
+__all__ = ["STRATEGIES", "AllReduceStrategy", "CommStrategy", "OneBitSGDStrategy"]

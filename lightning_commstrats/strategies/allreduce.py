@@ -69,28 +69,23 @@ class AllReduceStrategy(CommStrategy):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         super().__init__(backend=backend, timeout=timeout, start_method=start_method, **kwargs)
         self.bucket_cap_mb = bucket_cap_mb
-        self._buckets: dict[int, list[list[int]]] = {}
+        self._buckets: dict[tuple[int, ...], list[list[int]]] = {}
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
-        if self.world_size == 1:
-            return
-        params = trainable_params(optimizer)
-        grads = []
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
-                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-            grads.append(p.grad)
-        plan = self._buckets.get(id(optimizer))
-        if plan is None or sum(map(len, plan)) != len(grads):
-            plan = plan_buckets(grads, int(self.bucket_cap_mb * 2**20))
-            self._buckets[id(optimizer)] = plan
+        if self.world_size > 1:
+            self.allreduce_gradients(trainable_params(optimizer))
+
+    def allreduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Average the gradients of ``params`` over ranks in fused buckets, through :meth:`exchange`."""
+        grads = [dense_grad(p) for p in params]
+        key = tuple(id(p) for p in params)
+        plan = self._buckets.get(key)
+        if plan is None:
+            plan = self._buckets[key] = plan_buckets(grads, int(self.bucket_cap_mb * 2**20))
         for indices in plan:
             bucket = [grads[i] for i in indices]
-            flat = flatten(bucket)
-            unflatten_into(self.exchange(flat, [params[i] for i in indices]), bucket)
+            unflatten_into(self.exchange(flatten(bucket), [params[i] for i in indices]), bucket)
 
     def exchange(self, flat_grad: Tensor, params: Sequence[torch.nn.Parameter]) -> Tensor:
         """Return the average over ranks of one bucket of gradients (``params`` are its owners).
@@ -98,6 +93,15 @@ class AllReduceStrategy(CommStrategy):
         Override in gradient-compression schemes. Every rank must return the same tensor.
         """
         return self.comm.all_reduce(flat_grad, "avg", tag="grad")
+
+
+def dense_grad(p: torch.nn.Parameter) -> Tensor:
+    """``p.grad``, created as zeros when ``p`` got no gradient on this rank; sparse gradients are refused."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    elif p.grad.is_sparse:
+        raise ValueError("lightning_commstrats strategies do not support sparse gradients")
+    return p.grad
 
 
 def trainable_params(optimizer: Optimizer) -> list[torch.nn.Parameter]:

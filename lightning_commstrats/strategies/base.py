@@ -35,7 +35,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
@@ -47,6 +49,8 @@ from lightning_commstrats.comm import BACKENDS, CommStats, Communicator, create_
 log = logging.getLogger(__name__)
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+RESUME_MISMATCH = ("error", "reset")
+STATE_KEY = "lightning_commstrats"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
@@ -61,6 +65,9 @@ class CommStrategy(ParallelStrategy):
         timeout: timeout of every torch.distributed collective.
         start_method: how Lightning starts the ranks when it starts them itself: ``"popen"``
             (re-run the script, like ``ddp``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        resume_mismatch: what to do when a checkpoint's strategy state does not fit this run
+            (another world size, other parameter shapes): ``"error"`` (default) or ``"reset"``
+            (start the state afresh, with a warning).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -72,6 +79,7 @@ class CommStrategy(ParallelStrategy):
         backend: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: str = "popen",
+        resume_mismatch: str = "error",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -82,7 +90,13 @@ class CommStrategy(ParallelStrategy):
             raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not supported; choose one of {START_METHODS}")
+        if resume_mismatch not in RESUME_MISMATCH:
+            raise ValueError(f"resume_mismatch={resume_mismatch!r} is not supported; choose one of {RESUME_MISMATCH}")
         self._backend = backend
+        self.resume_mismatch = resume_mismatch
+        self.samples_per_worker = 0
+        self.optimizer_steps = 0
+        self._pending_state: dict[str, Any] | None = None
         self._timeout = timeout
         self._start_method = start_method
         self._num_nodes = 1
@@ -244,7 +258,76 @@ class CommStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._restore_pending_state()
         self.comm_stats.start_clock()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # Every rank gets equally many samples (the distributed sampler pads), so this count agrees.
+        self.samples_per_worker += extract_batch_size(batch)
+
+    # ------------------------------------------------------------------ the strategy's own state
+
+    def state_dict(self) -> dict[str, Any]:
+        """State that is the same on every rank (counters, global model...), saved in checkpoints."""
+        return {"samples_per_worker": self.samples_per_worker, "optimizer_steps": self.optimizer_steps}
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """State that differs between ranks (residuals...), saved for every rank in the checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        """Restore both; raise ``ValueError`` before changing anything when they do not fit this run."""
+        self.samples_per_worker = int(state["samples_per_worker"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+    def reset_state(self) -> None:
+        """Start the scheme's own state afresh (counters keep counting)."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Collective: every rank contributes its rank-local state to the one file rank 0 writes.
+        if self._comm is not None:
+            ranks = self._comm.all_gather_object(_to_cpu(self.rank_state_dict()), tag="checkpoint")
+            checkpoint[STATE_KEY] = {
+                "strategy": type(self).__name__,
+                "world_size": self.world_size,
+                "state": _to_cpu(self.state_dict()),
+                "ranks": ranks,
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_state = checkpoint.get(STATE_KEY)
+        return checkpoint
+
+    def _restore_pending_state(self) -> None:
+        saved, self._pending_state = self._pending_state, None
+        if saved is None:
+            return
+        name = type(self).__name__
+        if saved["strategy"] != name:
+            log.warning("checkpoint state of %s is not %s state; %s starts afresh", saved["strategy"], name, name)
+            return
+        if saved["world_size"] != self.world_size:
+            problem = f"it was saved by {saved['world_size']} ranks and this run has {self.world_size}"
+        else:
+            try:
+                self.load_state_dict(saved["state"], _to_device(saved["ranks"][self.global_rank], self.root_device))
+                return
+            except ValueError as err:
+                problem = str(err)
+        if self.resume_mismatch == "reset":
+            log.warning("%s: not restoring the checkpoint's strategy state (%s); starting it afresh", name, problem)
+            self.reset_state()
+            return
+        raise ValueError(
+            f"{name} cannot restore its state from the checkpoint: {problem}."
+            f" Pass {name}(resume_mismatch='reset') to start that state afresh."
+        )
 
     # ------------------------------------------------------------------ the optimizer step
 
@@ -263,6 +346,7 @@ class CommStrategy(ParallelStrategy):
 
         output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
         self.after_optimizer_step(optimizer)
+        self.optimizer_steps += 1
         self.comm_stats.mark_step()
         return output
 
@@ -310,6 +394,14 @@ class CommStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
+
+
+def _to_cpu(obj: Any) -> Any:
+    return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    return apply_to_collection(obj, Tensor, lambda t: t.to(device))
 
 
 def _reduce_op_name(reduce_op: ReduceOp | str | None) -> str:

@@ -1,0 +1,165 @@
+"""Two-stage quantized all-reduce with error feedback (1-bit SGD's aggregation, as in CNTK).
+
+No Lightning here; the collectives go through a :class:`~lightning_commstrats.comm.Communicator`
+so that every byte is counted.
+
+For each gradient matrix, viewed as ``[rows, cols]`` (see :mod:`.quantizers`), the columns are cut
+into ``N`` stripes of ``ceil(cols / N)`` columns; rank ``k`` owns stripe ``k`` of every matrix.
+
+1. Every rank adds its stage-1 residual to its gradient, quantizes each stripe, keeps what the
+   quantization lost as the new residual, and sends stripe ``k`` to rank ``k`` (one all-to-all of
+   packed bytes; the rank's own stripe stays local).
+2. Each owner decodes the ``N`` copies of its stripes and sums them.
+3. The owner adds its stage-2 residual to the sum, quantizes it, keeps the new stage-2 residual,
+   and the quantized stripes are all-gathered (padded to the longest rank's payload).
+4. Every rank decodes every stripe from the same bytes, so all ranks hold bit-identical results;
+   the sum is divided by ``N`` (the average, as ``allreduce`` gives).
+
+Per rank and step this sends about ``2 (N-1)/N`` of the *quantized* gradient: 1/32 of an fp32 ring
+all-reduce at 1 bit, plus two floats per column and stripe in each stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.compression.quantizers import ColumnCodec
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """How one gradient is seen by the aggregator: ``cols`` columns of ``rows`` values, in stripes."""
+
+    shape: torch.Size
+    rows: int
+    cols: int
+    stripes: tuple[tuple[int, int], ...]  # [begin, end) columns owned by each rank
+
+    @classmethod
+    def of(cls, shape: torch.Size, world_size: int) -> MatrixLayout:
+        rows = shape[0] if len(shape) else 1
+        cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+        width = -(-cols // world_size)
+        stripes = tuple((min(k * width, cols), min((k + 1) * width, cols)) for k in range(world_size))
+        return cls(torch.Size(shape), rows, cols, stripes)
+
+
+def column_major(grad: Tensor, layout: MatrixLayout) -> Tensor:
+    """A new contiguous float32 ``[cols, rows]`` copy of ``grad`` (row ``j`` = column ``j``)."""
+    return grad.detach().reshape(layout.rows, layout.cols).t().to(torch.float32, copy=True).contiguous()
+
+
+class QuantizedAllReduce:
+    """Average named gradients over ranks through two quantized stages with error feedback.
+
+    Args:
+        codec: the column quantizer (bits per value).
+        comm: the communicator of the ranks.
+        tag: the traffic tag for :class:`~lightning_commstrats.comm.CommStats`.
+
+    Attributes:
+        residuals: stage-1 residual per name, ``[cols, rows]`` (what this rank's quantization lost).
+        residuals2: stage-2 residual per name, ``[owned cols, rows]`` (what the owner's re-quantization lost).
+    """
+
+    def __init__(self, codec: ColumnCodec, comm: Communicator, tag: str = "grad_quantized") -> None:
+        self.codec = codec
+        self.comm = comm
+        self.tag = tag
+        self.residuals: dict[str, Tensor] = {}
+        self.residuals2: dict[str, Tensor] = {}
+        self._layouts: dict[str, MatrixLayout] = {}
+
+    def layout(self, name: str, shape: torch.Size) -> MatrixLayout:
+        lay = self._layouts.get(name)
+        if lay is None or lay.shape != shape:
+            lay = self._layouts[name] = MatrixLayout.of(shape, self.comm.world_size)
+        return lay
+
+    def __call__(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Return the average over ranks of each gradient in ``grads`` (same shapes, float32)."""
+        n, me = self.comm.world_size, self.comm.rank
+        names = list(grads)
+        layouts = [self.layout(name, grads[name].shape) for name in names]
+
+        # stage 1: quantize every stripe of (gradient + residual), send stripe k to rank k
+        parts: list[list[Tensor]] = [[] for _ in range(n)]
+        for name, lay in zip(names, layouts, strict=True):
+            v = column_major(grads[name], lay)
+            res = self.residuals.get(name)
+            if res is None or res.shape != v.shape:
+                res = self.residuals[name] = torch.zeros_like(v)
+            v += res
+            for k, (c0, c1) in enumerate(lay.stripes):
+                if c1 > c0:
+                    payload, deq = self.codec.encode(v[c0:c1])
+                    torch.sub(v[c0:c1], deq, out=res[c0:c1])
+                    parts[k].append(payload)
+        send = torch.cat([p for k in range(n) for p in parts[k]]) if any(parts) else _empty(grads)
+        send_splits = [sum(p.numel() for p in parts[k]) for k in range(n)]
+        mine = [self._payload(lay, me) for lay in layouts]
+        recv = self.comm.all_to_all(send, send_splits, [sum(mine)] * n, tag=self.tag)
+
+        # stage 2: sum the N copies of my stripes, quantize the sum (+ residual), all-gather
+        chunks = recv.split([sum(mine)] * n)
+        out2: list[Tensor] = []
+        for i, (name, lay) in enumerate(zip(names, layouts, strict=True)):
+            c0, c1 = lay.stripes[me]
+            if c1 == c0:
+                continue
+            offset = sum(mine[:i])
+            total = torch.zeros(c1 - c0, lay.rows, dtype=torch.float32, device=recv.device)
+            for chunk in chunks:
+                total += self.codec.decode(chunk[offset : offset + mine[i]], c1 - c0, lay.rows)
+            res2 = self.residuals2.get(name)
+            if res2 is None or res2.shape != total.shape:
+                res2 = self.residuals2[name] = torch.zeros_like(total)
+            total += res2
+            payload, deq = self.codec.encode(total)
+            torch.sub(total, deq, out=res2)
+            out2.append(payload)
+        sizes = [sum(self._payload(lay, k) for lay in layouts) for k in range(n)]
+        longest = max(sizes)
+        gather = torch.zeros(longest, dtype=torch.uint8, device=recv.device)
+        if out2:
+            own = torch.cat(out2)
+            gather[: own.numel()] = own
+        everything = self.comm.all_gather(gather, tag=self.tag)
+
+        # every rank decodes the same bytes
+        result: dict[str, Tensor] = {}
+        cm = {
+            name: torch.empty(lay.cols, lay.rows, dtype=torch.float32, device=recv.device)
+            for name, lay in zip(names, layouts, strict=True)
+        }
+        for k in range(n):
+            offset = 0
+            for name, lay in zip(names, layouts, strict=True):
+                c0, c1 = lay.stripes[k]
+                size = self._payload(lay, k)
+                if size:
+                    cm[name][c0:c1] = self.codec.decode(everything[k, offset : offset + size], c1 - c0, lay.rows)
+                offset += size
+        for name, lay in zip(names, layouts, strict=True):
+            result[name] = cm[name].div_(n).t().reshape(lay.shape)
+        return result
+
+    def _payload(self, lay: MatrixLayout, rank: int) -> int:
+        c0, c1 = lay.stripes[rank]
+        return self.codec.payload_bytes(c1 - c0, lay.rows) if c1 > c0 else 0
+
+    def reset(self) -> None:
+        """Forget both residuals (they restart at zero)."""
+        self.residuals.clear()
+        self.residuals2.clear()
+
+
+def _empty(grads: Mapping[str, Tensor]) -> Tensor:
+    device = next(iter(grads.values())).device if grads else torch.device("cpu")
+    return torch.empty(0, dtype=torch.uint8, device=device)
