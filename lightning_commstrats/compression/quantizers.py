@@ -123,9 +123,9 @@ class ColumnCodec:
         if payload.numel() != expected:
             raise ValueError(f"payload has {payload.numel()} bytes, {cols} columns of {rows} need {expected}")
         if self.bits == 16:
-            return payload.view(self.half_dtype).view(cols, rows).float()
+            return _view(payload, self.half_dtype).view(cols, rows).float()
         nscale = 2 * cols * 4
-        scales = payload[:nscale].view(torch.float32).view(2, cols)
+        scales = _view(payload[:nscale], torch.float32).view(2, cols)
         codes = unpack_bits(payload[nscale:], self.bits, rows * cols).view(cols, rows)
         return self._dequantize(codes, scales)
 
@@ -157,3 +157,11 @@ class ColumnCodec:
         lo, hi = scales[0].unsqueeze(1), scales[1].unsqueeze(1)
         step = (hi - lo) / (1 << self.bits)
         return lo + (codes.float() + 0.5) * step
+
+
+def _view(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """Reinterpret bytes as ``dtype``; a slice at an unaligned offset is copied first."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if raw.storage_offset() % itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)

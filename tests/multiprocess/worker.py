@@ -6,7 +6,9 @@ per scenario, the final parameters, the communication statistics and the trainin
 
 Scenario keys: ``strategy`` ("ddp" or a package registry name), ``kwargs`` (strategy arguments),
 ``model`` ("mlp" or "manual2": two optimizers under manual optimization), ``devices``,
-``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``.
+``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``, ``trace`` (keep
+the flat parameters after every step), ``ckpt_every`` (save a checkpoint every that many steps
+into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that checkpoint).
 """
 
 from __future__ import annotations
@@ -77,12 +79,40 @@ class ManualTwoOptimizers(Mlp):
 MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers}
 
 
-def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+class Trace(L.Callback):
+    """The flat parameter vector after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.steps.append(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone())
+
+
+def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[str, Any]]:
     L.seed_everything(sc.get("seed", 7), verbose=False)
     model = MODELS[sc.get("model", "mlp")](batch_size=sc.get("batch_size", 4), momentum=sc.get("momentum", 0.9))
-    name = sc["strategy"]
-    ours = name != "ddp"
-    strategy = L.pytorch.strategies.StrategyRegistry[name]["strategy"](**sc.get("kwargs", {})) if ours else name
+    strategy_name = sc["strategy"]
+    ours = strategy_name != "ddp"
+    strategy = (
+        L.pytorch.strategies.StrategyRegistry[strategy_name]["strategy"](**sc.get("kwargs", {}))
+        if ours
+        else strategy_name
+    )
+    callbacks: list[L.Callback] = [CommStatsMonitor(summary_at_end=False)] if ours else []
+    trace = Trace()
+    if sc.get("trace"):
+        callbacks.append(trace)
+    if sc.get("ckpt_every"):
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=out / name, filename="{step}", every_n_train_steps=sc["ckpt_every"], save_top_k=-1
+            )
+        )
+    ckpt_path = None
+    if sc.get("resume"):
+        source, step = sc["resume"]
+        ckpt_path = out / source / f"step={step}.ckpt"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=sc.get("devices", 2),
@@ -91,16 +121,17 @@ def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         accumulate_grad_batches=sc.get("accumulate", 1),
         gradient_clip_val=sc.get("clip"),
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(sc.get("ckpt_every")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[CommStatsMonitor(summary_at_end=False)] if ours else [],
+        callbacks=callbacks,
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     result: dict[str, Any] = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": model.losses,
         "world_size": trainer.world_size,
+        "trace": trace.steps,
     }
     if ours:
         stats = trainer.strategy.comm_stats
@@ -118,7 +149,7 @@ def main() -> None:
     results = {}
     rank = 0
     for name, scenario in spec["scenarios"].items():
-        rank, results[name] = run_scenario(scenario)
+        rank, results[name] = run_scenario(name, scenario, out)
     torch.save(results, out / f"rank{rank}.pt")
 
 
