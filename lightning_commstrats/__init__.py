@@ -11,18 +11,29 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 from lightning_commstrats._registry import register_strategies
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
-from lightning_commstrats.strategies import STRATEGIES, AllReduceStrategy, CommStrategy, OneBitSGDStrategy
+from lightning_commstrats.strategies import (
+    STRATEGIES,
+    AllReduceStrategy,
+    BMUFStrategy,
+    CommStrategy,
+    LocalSGDStrategy,
+    ModelAveragingStrategy,
+    OneBitSGDStrategy,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "STRATEGIES",
     "AllReduceStrategy",
+    "BMUFStrategy",
     "CommSnapshot",
     "CommStats",
     "CommStatsMonitor",
     "CommStrategy",
     "Communicator",
+    "LocalSGDStrategy",
+    "ModelAveragingStrategy",
     "OneBitSGDStrategy",
     "register_strategies",
 ]

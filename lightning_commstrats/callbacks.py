@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,16 +34,23 @@ class CommStatsMonitor(Callback):
             many optimizer steps (``None``: never), like CNTK's ``syncPerfStats``.
         summary_at_end: print the summary when training ends.
         prog_bar: show MB per batch in the progress bar.
+        save_dir: when set, every rank writes its cumulative figures to
+            ``<save_dir>/comm_stats.rank<r>.json`` when training ends.
     """
 
     def __init__(
-        self, summary_every_n_steps: int | None = None, summary_at_end: bool = True, prog_bar: bool = True
+        self,
+        summary_every_n_steps: int | None = None,
+        summary_at_end: bool = True,
+        prog_bar: bool = True,
+        save_dir: str | None = None,
     ) -> None:
         if summary_every_n_steps is not None and summary_every_n_steps <= 0:
             raise ValueError(f"summary_every_n_steps must be a positive int or None, got {summary_every_n_steps}")
         self.summary_every_n_steps = summary_every_n_steps
         self.summary_at_end = summary_at_end
         self.prog_bar = prog_bar
+        self.save_dir = save_dir
         self._start: CommSnapshot | None = None
         self._last_summary_step = 0
 
@@ -90,8 +99,19 @@ class CommStatsMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        snapshot = self.stats(trainer).snapshot()
         if self.summary_at_end:
-            rank_zero_info(format_summary(self.stats(trainer).snapshot()))
+            rank_zero_info(format_summary(snapshot))
+        if self.save_dir is not None:
+            out = Path(self.save_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            record = {
+                "rank": trainer.global_rank,
+                "world_size": trainer.world_size,
+                "strategy": type(trainer.strategy).__name__,
+                **snapshot.as_dict(),
+            }
+            (out / f"comm_stats.rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
 
 
 def format_summary(s: CommSnapshot) -> str:

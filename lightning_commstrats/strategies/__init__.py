@@ -2,8 +2,26 @@
 
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy
 from lightning_commstrats.strategies.base import CommStrategy
+from lightning_commstrats.strategies.bmuf import BMUFStrategy
+from lightning_commstrats.strategies.local_sgd import LocalSGDStrategy
 from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
+from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, PeriodicSyncStrategy
 
-STRATEGIES: tuple[type[CommStrategy], ...] = (AllReduceStrategy, OneBitSGDStrategy)
+STRATEGIES: tuple[type[CommStrategy], ...] = (
+    AllReduceStrategy,
+    OneBitSGDStrategy,
+    ModelAveragingStrategy,
+    BMUFStrategy,
+    LocalSGDStrategy,
+)
 
-__all__ = ["STRATEGIES", "AllReduceStrategy", "CommStrategy", "OneBitSGDStrategy"]
+__all__ = [
+    "STRATEGIES",
+    "AllReduceStrategy",
+    "BMUFStrategy",
+    "CommStrategy",
+    "LocalSGDStrategy",
+    "ModelAveragingStrategy",
+    "OneBitSGDStrategy",
+    "PeriodicSyncStrategy",
+]

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, plan_buckets, unflatten_into
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT, CommStrategy
 
 
@@ -65,11 +65,9 @@ class AllReduceStrategy(CommStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        super().__init__(backend=backend, timeout=timeout, start_method=start_method, **kwargs)
-        self.bucket_cap_mb = bucket_cap_mb
-        self._buckets: dict[tuple[int, ...], list[list[int]]] = {}
+        super().__init__(
+            backend=backend, timeout=timeout, start_method=start_method, bucket_cap_mb=bucket_cap_mb, **kwargs
+        )
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
@@ -79,13 +77,9 @@ class AllReduceStrategy(CommStrategy):
     def allreduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` over ranks in fused buckets, through :meth:`exchange`."""
         grads = [dense_grad(p) for p in params]
-        key = tuple(id(p) for p in params)
-        plan = self._buckets.get(key)
-        if plan is None:
-            plan = self._buckets[key] = plan_buckets(grads, int(self.bucket_cap_mb * 2**20))
-        for indices in plan:
-            bucket = [grads[i] for i in indices]
-            unflatten_into(self.exchange(flatten(bucket), [params[i] for i in indices]), bucket)
+        self.all_reduce_fused(
+            grads, tag="grad", exchange=lambda flat, idx: self.exchange(flat, [params[i] for i in idx])
+        )
 
     def exchange(self, flat_grad: Tensor, params: Sequence[torch.nn.Parameter]) -> Tensor:
         """Return the average over ranks of one bucket of gradients (``params`` are its owners).

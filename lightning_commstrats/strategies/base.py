@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -44,6 +44,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, plan_buckets, unflatten_into
 from lightning_commstrats.comm import BACKENDS, CommStats, Communicator, create_communicator, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class CommStrategy(ParallelStrategy):
         timeout: timeout of every torch.distributed collective.
         start_method: how Lightning starts the ranks when it starts them itself: ``"popen"``
             (re-run the script, like ``ddp``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        bucket_cap_mb: largest fused buffer per collective, in MiB (default 25, as DDP). Bigger
+            buckets mean fewer collectives (less latency) but a bigger temporary copy.
         resume_mismatch: what to do when a checkpoint's strategy state does not fit this run
             (another world size, other parameter shapes): ``"error"`` (default) or ``"reset"``
             (start the state afresh, with a warning).
@@ -79,6 +82,7 @@ class CommStrategy(ParallelStrategy):
         backend: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: str = "popen",
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         resume_mismatch: str = "error",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -90,10 +94,14 @@ class CommStrategy(ParallelStrategy):
             raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not supported; choose one of {START_METHODS}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if resume_mismatch not in RESUME_MISMATCH:
             raise ValueError(f"resume_mismatch={resume_mismatch!r} is not supported; choose one of {RESUME_MISMATCH}")
         self._backend = backend
         self.resume_mismatch = resume_mismatch
+        self.bucket_cap_mb = bucket_cap_mb
+        self._buckets: dict[tuple[Any, ...], list[list[int]]] = {}
         self.samples_per_worker = 0
         self.optimizer_steps = 0
         self._pending_state: dict[str, Any] | None = None
@@ -242,13 +250,13 @@ class CommStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def broadcast_module(self, module: Module, src: int = 0) -> None:
-        """Overwrite every parameter and buffer of ``module`` with rank ``src``'s (tag ``"weights"``)."""
+        """Overwrite every parameter and buffer of ``module`` with rank ``src``'s (tag ``"setup"``)."""
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 if t.is_contiguous():
-                    self.comm.broadcast(t.data, src, tag="weights")
+                    self.comm.broadcast(t.data, src, tag="setup")
                 else:
-                    t.copy_(self.comm.broadcast(t.detach().contiguous(), src, tag="weights"))
+                    t.copy_(self.comm.broadcast(t.detach().contiguous(), src, tag="setup"))
 
     @override
     def model_to_device(self) -> None:
@@ -352,6 +360,28 @@ class CommStrategy(ParallelStrategy):
 
     def after_backward(self, optimizer: Optimizer) -> None:
         """Called once per optimizer step when this rank's gradients are complete (before clipping)."""
+
+    def all_reduce_fused(
+        self,
+        tensors: Sequence[Tensor],
+        *,
+        tag: str,
+        exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
+    ) -> None:
+        """Average ``tensors`` over ranks in place, fused into buckets of at most ``bucket_cap_mb``.
+
+        ``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
+        ``tensors``); it must return the same tensor on every rank.
+        """
+        key = tuple((t.shape, t.dtype, t.device) for t in tensors)
+        plan = self._buckets.get(key)
+        if plan is None:
+            plan = self._buckets[key] = plan_buckets(tensors, int(self.bucket_cap_mb * 2**20))
+        for indices in plan:
+            bucket = [tensors[i] for i in indices]
+            flat = flatten(bucket)
+            out = exchange(flat, indices) if exchange else self.comm.all_reduce(flat, "avg", tag=tag)
+            unflatten_into(out, bucket)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called after every optimizer step, once the local update is applied."""

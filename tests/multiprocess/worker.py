@@ -8,7 +8,8 @@ Scenario keys: ``strategy`` ("ddp" or a package registry name), ``kwargs`` (stra
 ``model`` ("mlp" or "manual2": two optimizers under manual optimization), ``devices``,
 ``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``, ``trace`` (keep
 the flat parameters after every step), ``ckpt_every`` (save a checkpoint every that many steps
-into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that checkpoint).
+into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that checkpoint),
+``val_every`` (validate every that many batches and keep the flat parameters seen by validation).
 """
 
 from __future__ import annotations
@@ -85,8 +86,20 @@ class Trace(L.Callback):
     def __init__(self) -> None:
         self.steps: list[torch.Tensor] = []
 
+        self.validated: list[torch.Tensor] = []
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self.steps.append(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone())
+        self.steps.append(flat(pl_module))
+
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if batch_idx == 0:
+            self.validated.append(flat(pl_module))
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
 
 def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[str, Any]]:
@@ -120,6 +133,9 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         max_steps=sc.get("max_steps", 8),
         accumulate_grad_batches=sc.get("accumulate", 1),
         gradient_clip_val=sc.get("clip"),
+        val_check_interval=sc.get("val_every"),
+        limit_val_batches=2 if sc.get("val_every") else 0,
+        num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=bool(sc.get("ckpt_every")),
         enable_progress_bar=False,
@@ -132,6 +148,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "losses": model.losses,
         "world_size": trainer.world_size,
         "trace": trace.steps,
+        "validated": trace.validated,
     }
     if ours:
         stats = trainer.strategy.comm_stats
