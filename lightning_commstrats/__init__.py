@@ -19,6 +19,7 @@ from lightning_commstrats.strategies import (
     LocalSGDStrategy,
     ModelAveragingStrategy,
     OneBitSGDStrategy,
+    SampledVocabStrategy,
 )
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
     "OneBitSGDStrategy",
+    "SampledVocabStrategy",
     "register_strategies",
 ]
 

@@ -6,6 +6,7 @@ from lightning_commstrats.strategies.bmuf import BMUFStrategy
 from lightning_commstrats.strategies.local_sgd import LocalSGDStrategy
 from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
 from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, PeriodicSyncStrategy
+from lightning_commstrats.strategies.sampled_vocab import SampledVocabStrategy
 
 STRATEGIES: tuple[type[CommStrategy], ...] = (
     AllReduceStrategy,
@@ -13,6 +14,7 @@ STRATEGIES: tuple[type[CommStrategy], ...] = (
     ModelAveragingStrategy,
     BMUFStrategy,
     LocalSGDStrategy,
+    SampledVocabStrategy,
 )
 
 __all__ = [
@@ -24,4 +26,5 @@ __all__ = [
     "ModelAveragingStrategy",
     "OneBitSGDStrategy",
     "PeriodicSyncStrategy",
+    "SampledVocabStrategy",
 ]

@@ -145,9 +145,11 @@ class OneBitSGDStrategy(AllReduceStrategy):
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
-        if self.world_size == 1:
-            return
-        params = trainable_params(optimizer)
+        if self.world_size > 1:
+            self.exchange_gradients(trainable_params(optimizer))
+
+    def exchange_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Average the gradients of ``params``: quantized matrices and fp32 small tensors."""
         if not self.quantizing:
             self.allreduce_gradients(params)
             return

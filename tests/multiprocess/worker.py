@@ -9,7 +9,9 @@ Scenario keys: ``strategy`` ("ddp" or a package registry name), ``kwargs`` (stra
 ``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``, ``trace`` (keep
 the flat parameters after every step), ``ckpt_every`` (save a checkpoint every that many steps
 into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that checkpoint),
-``val_every`` (validate every that many batches and keep the flat parameters seen by validation).
+``val_every`` (validate every that many batches and keep the flat parameters seen by validation),
+``model_kwargs`` (model arguments; model "lm" is a small LanguageModel on synthetic tokens, and a
+strategy ``word_counts`` of ``"data"`` is replaced by its token counts).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from torch.utils.data import DataLoader
 
 import lightning_commstrats
 from lightning_commstrats import CommStatsMonitor
+from lightning_commstrats.data import StreamWindows
+from lightning_commstrats.models import LanguageModel
 
 
 class Mlp(BoringModel):
@@ -77,19 +81,46 @@ class ManualTwoOptimizers(Mlp):
         )
 
 
-MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers}
+class TinyLM(LanguageModel):
+    """A small word LM on a synthetic Zipf-distributed token stream (``V = 50``)."""
+
+    VOCAB = 50
+
+    def __init__(self, batch_size: int = 4, momentum: float = 0.9, **kwargs: Any) -> None:
+        defaults = {"arch": "lstm", "vocab_size": self.VOCAB, "embed_dim": 16, "hidden_dim": 16, "lr": 0.01}
+        super().__init__(**{**defaults, **kwargs})
+        g = torch.Generator().manual_seed(3)
+        zipf = 1.0 / torch.arange(1, self.VOCAB + 1, dtype=torch.float64)
+        self.stream = torch.multinomial(zipf / zipf.sum(), 2049, replacement=True, generator=g)
+        self.batch_size = batch_size
+        self.losses: list[float] = []
+
+    def word_counts(self) -> list[int]:
+        return torch.bincount(self.stream, minlength=self.VOCAB).tolist()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(StreamWindows(self.stream, 8, pad_id=2), batch_size=self.batch_size, shuffle=False)
+
+
+MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers, "lm": TinyLM}
 
 
 class Trace(L.Callback):
-    """The flat parameter vector after every optimizer step."""
+    """The flat parameters after every step and when validation starts; sampled_vocab's rows."""
 
     def __init__(self) -> None:
         self.steps: list[torch.Tensor] = []
-
         self.validated: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor | None] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.steps.append(flat(pl_module))
+        self.rows.append(getattr(trainer.strategy, "last_rows", None))
 
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -104,14 +135,15 @@ def flat(module: torch.nn.Module) -> torch.Tensor:
 
 def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[str, Any]]:
     L.seed_everything(sc.get("seed", 7), verbose=False)
-    model = MODELS[sc.get("model", "mlp")](batch_size=sc.get("batch_size", 4), momentum=sc.get("momentum", 0.9))
+    model = MODELS[sc.get("model", "mlp")](
+        batch_size=sc.get("batch_size", 4), momentum=sc.get("momentum", 0.9), **sc.get("model_kwargs", {})
+    )
     strategy_name = sc["strategy"]
     ours = strategy_name != "ddp"
-    strategy = (
-        L.pytorch.strategies.StrategyRegistry[strategy_name]["strategy"](**sc.get("kwargs", {}))
-        if ours
-        else strategy_name
-    )
+    kwargs = dict(sc.get("kwargs", {}))
+    if kwargs.get("word_counts") == "data":
+        kwargs["word_counts"] = model.word_counts()
+    strategy = L.pytorch.strategies.StrategyRegistry[strategy_name]["strategy"](**kwargs) if ours else strategy_name
     callbacks: list[L.Callback] = [CommStatsMonitor(summary_at_end=False)] if ours else []
     trace = Trace()
     if sc.get("trace"):
@@ -149,6 +181,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "world_size": trainer.world_size,
         "trace": trace.steps,
         "validated": trace.validated,
+        "rows": trace.rows,
     }
     if ours:
         stats = trainer.strategy.comm_stats

@@ -1,0 +1,241 @@
+"""``sampled_vocab``: exchange only sampled rows of the vocabulary matrices (the 2018 multi-GPU NLM paper)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_commstrats.compression import batch_token_ids, most_frequent, random_rows, resolve_count, union
+from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
+from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
+from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
+
+log = logging.getLogger(__name__)
+
+
+class SampledVocabStrategy(OneBitSGDStrategy):
+    """Data parallelism in which the vocabulary matrices exchange only the rows of sampled words.
+
+    Stores the frequent-word set, the sampling seed, and with error feedback every rank's unsent
+    rows (checkpointed per rank); the last step's selection is ``last_rows``.
+
+    Every step, for the vocabulary matrices of a language model (input embedding, output
+    projection and its bias; one matrix when tied):
+
+    1. ``V_base``: each rank's minibatch word ids (every integer tensor of the batch: inputs and
+       targets) are all-gathered and merged (tag ``"vocab_ids"``);
+    2. ``V_alpha``: the ``alpha`` most frequent words of the corpus, fixed for the run;
+    3. ``V_beta``: ``beta`` random words from a generator seeded identically on every rank for the
+       step, so the ranks agree without communicating;
+    4. the rows ``V_all = V_base U V_alpha U V_beta`` of every vocabulary matrix are packed into one
+       dense buffer and all-reduced (tag ``"vocab_rows"``); every other row gets a zero gradient
+       and is restored after the optimizer step, so it is not updated on any rank (ranks never
+       diverge, whatever the optimizer's momentum or weight decay).
+
+    The input embedding's gradient is zero outside the minibatch words, so that part is exact; the
+    output layer's softmax gradient touches every row, and the unselected rows' share is dropped
+    (or, with ``error_feedback``, kept locally and sent when the row is next selected). All other
+    parameters are exchanged by the inner scheme: fp32 all-reduce (``num_quantization_bits=32``,
+    the default) or 1-bit SGD (``num_quantization_bits=1`` and the other ``onebit_sgd`` knobs).
+
+    Hyperparameters:
+
+    - ``alpha``: the most frequent words always exchanged, as a count or a fraction of the
+      vocabulary. Frequent words appear in most minibatches anyway; alpha guarantees their softmax
+      rows keep up. Larger: closer to full exchange, more bytes.
+    - ``beta``: random words per step (count or fraction), so that every row is refreshed now and
+      then (the paper's "robustness" term). 0 leaves rare words' output rows to their own
+      occurrences.
+    - ``error_feedback``: keep the unsent output-row gradients locally and add them when the row is
+      next selected. Off by default, as in the paper: stale softmax gradients of rare words can
+      overshoot when they finally go out; on, no gradient is lost.
+    - ``vocab_params``: parameter names, when the model does not declare ``vocab_parameters()``.
+
+    The gain grows with the vocabulary: the rows sent depend on the minibatch, not on ``V``, so a
+    large vocabulary (the paper: about 49k words on Brown) saves most.
+
+    Args:
+        alpha: frequent words, count or fraction of the vocabulary (default 2000).
+        beta: random words per step, count or fraction (default 1000).
+        vocab_params: names of the vocabulary parameters; default: the model's declaration.
+        error_feedback: accumulate unsent row gradients locally.
+        word_counts: corpus frequency of each word id; default: the DataModule's ``word_counts``.
+        seed: seed of the random rows (the same on every rank).
+        num_quantization_bits: inner scheme for the other parameters: 32 (fp32 all-reduce) or 1, 2,
+            4, 8, 16 (``onebit_sgd``).
+        **kwargs: :class:`OneBitSGDStrategy` / :class:`CommStrategy` arguments.
+    """
+
+    strategy_name = "sampled_vocab"
+
+    def __init__(
+        self,
+        alpha: float = 2000,
+        beta: float = 1000,
+        vocab_params: list[str] | None = None,
+        error_feedback: bool = False,
+        word_counts: list[int] | None = None,
+        seed: int = 0,
+        num_quantization_bits: int = 32,
+        backend: str = "auto",
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        for name, value in (("alpha", alpha), ("beta", beta)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a count >= 0 or a fraction in [0, 1], got {value!r}")
+        super().__init__(
+            num_quantization_bits=num_quantization_bits,
+            backend=backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self.alpha = alpha
+        self.beta = beta
+        self.vocab_param_names = vocab_params
+        self.error_feedback = error_feedback
+        self.word_counts = word_counts
+        self.seed = seed
+        self.last_rows: Tensor | None = None
+        self._vocab: list[torch.nn.Parameter] = []
+        self._vocab_size = 0
+        self._beta = 0
+        self._alpha_ids: Tensor | None = None
+        self._batch_ids: list[Tensor] = []
+        self._residuals: dict[str, Tensor] = {}
+        self._frozen: list[tuple[torch.nn.Parameter, Tensor, Tensor]] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._find_vocabulary(trainer)
+
+    def _find_vocabulary(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        named = dict(module.named_parameters())
+        if self.vocab_param_names is not None:
+            missing = [n for n in self.vocab_param_names if n not in named]
+            if missing:
+                raise ValueError(f"vocab_params names {missing}, which the model does not have; it has {list(named)}")
+            params = [named[n] for n in self.vocab_param_names]
+        else:
+            declared = next((m.vocab_parameters() for m in module.modules() if hasattr(m, "vocab_parameters")), None)
+            if not declared:
+                raise ValueError(
+                    "sampled_vocab: the model declares no vocabulary parameters (no vocab_parameters() method);"
+                    " pass vocab_params=[<names>]"
+                )
+            params = list(declared.values())
+        unique = list({id(p): p for p in params}.values())
+        sizes = {p.shape[0] for p in unique}
+        if len(sizes) != 1:
+            raise ValueError(f"vocabulary parameters must share their first dimension (V), got {sorted(sizes)}")
+        self._vocab = unique
+        self._vocab_size = v = sizes.pop()
+        alpha = resolve_count(self.alpha, v, "alpha")
+        self._beta = resolve_count(self.beta, v, "beta")
+        counts = self.word_counts
+        if counts is None and trainer.datamodule is not None:
+            counts = getattr(trainer.datamodule, "word_counts", None)
+        if alpha and counts is None:
+            raise ValueError(
+                "alpha > 0 needs word frequencies: pass word_counts=... or use a DataModule with word_counts"
+            )
+        counts_t = torch.as_tensor(counts if counts is not None else [0] * v, dtype=torch.float64)
+        if counts_t.numel() != v:
+            raise ValueError(f"word_counts has {counts_t.numel()} entries, the vocabulary {v}")
+        self._alpha_ids = most_frequent(counts_t, alpha).to(self.root_device)
+
+    # ------------------------------------------------------------------ the step
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._vocab_size:
+            self._batch_ids.append(batch_token_ids(batch, self._vocab_size))
+
+    @override
+    def after_backward(self, optimizer: Optimizer) -> None:
+        if self.world_size == 1:
+            self._batch_ids.clear()
+            return
+        params = trainable_params(optimizer)
+        vocab_ids = {id(p) for p in self._vocab}
+        self.exchange_gradients([p for p in params if id(p) not in vocab_ids])
+        vocab = [p for p in params if id(p) in vocab_ids]
+        if vocab:
+            self._exchange_rows(vocab)
+
+    def select_rows(self) -> Tensor:
+        """This step's ``V_all``, identical on every rank (one all-gather of the word ids)."""
+        local = union(*self._batch_ids) if self._batch_ids else torch.empty(0, dtype=torch.int64)
+        self._batch_ids.clear()
+        parts = self.comm.all_gather_uneven(local.to(self.root_device, torch.int32), tag="vocab_ids")
+        beta = random_rows(self._vocab_size, self._beta, self.seed, self.optimizer_steps)
+        assert self._alpha_ids is not None
+        return union(self._alpha_ids, beta, *parts)
+
+    def _exchange_rows(self, vocab: list[torch.nn.Parameter]) -> None:
+        rows = self.select_rows()
+        self.last_rows = rows.cpu()
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        grads = [dense_grad(p) for p in vocab]
+        if self.error_feedback:
+            for p, g in zip(vocab, grads, strict=True):
+                res = self._residuals.get(names[id(p)])
+                if res is not None:
+                    g.add_(res)
+        widths = [g[0].numel() for g in grads]
+        packed = torch.cat([g[rows].reshape(rows.numel(), -1).float() for g in grads], dim=1).reshape(-1)
+        averaged = self.comm.all_reduce(packed, "avg", tag="vocab_rows").view(rows.numel(), -1).split(widths, dim=1)
+        unselected = torch.ones(self._vocab_size, dtype=torch.bool, device=rows.device)
+        unselected[rows] = False
+        self._frozen = []
+        for p, g, new in zip(vocab, grads, averaged, strict=True):
+            if self.error_feedback:
+                res = g.detach().clone()
+                res[rows] = 0
+                self._residuals[names[id(p)]] = res
+            g.zero_()
+            g[rows] = new.reshape(-1, *g.shape[1:]).to(g.dtype)
+            if unselected.any():
+                self._frozen.append((p, unselected, p.detach()[unselected].clone()))
+
+    @override
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        super().after_optimizer_step(optimizer)
+        with torch.no_grad():
+            for p, unselected, saved in self._frozen:
+                p[unselected] = saved
+        self._frozen = []
+
+    # ------------------------------------------------------------------ checkpointed state
+
+    @override
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {**super().rank_state_dict(), "vocab_residuals": dict(self._residuals)}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        params = dict(self.lightning_module.named_parameters())
+        for name, res in rank_state.get("vocab_residuals", {}).items():
+            if name not in params or params[name].shape != res.shape:
+                raise ValueError(f"its vocabulary residual {name!r} {tuple(res.shape)} does not fit this model")
+        super().load_state_dict(state, rank_state)
+        self._residuals = dict(rank_state.get("vocab_residuals", {}))
+
+    @override
+    def reset_state(self) -> None:
+        super().reset_state()
+        self._residuals = {}
