@@ -9,7 +9,7 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' '
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all lint format clean
+.PHONY: install demo test test-all lint format bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ test: install
 test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+# The standard comparison on an emulated cluster (network namespaces; needs root, else loopback).
+bench: install
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/compare.py $(BENCH_ARGS)
+
+bench-quick: install
+	$(PY) benchmarks/compare.py --quick $(BENCH_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -279,10 +279,19 @@ def main() -> None:
     demo.add_argument("--hosts", type=int, default=2)
     demo.add_argument("--rate", type=float, default=100.0, help="Mbit/s")
     demo.add_argument("--seconds", type=float, default=3.0)
-    sub.add_parser("cleanup", help=f"remove every namespace named {PREFIX}-*")
+    hold = sub.add_parser("hold", help="create a cluster and keep it until interrupted or --seconds pass")
+    hold.add_argument("--hosts", type=int, default=2)
+    hold.add_argument("--rate", type=float, default=100.0, help="Mbit/s")
+    hold.add_argument("--seconds", type=float, default=60.0)
+    sub.add_parser("cleanup", help="remove every namespace of the prefix")
+    parser.add_argument("--prefix", default=PREFIX, help=f"name prefix (default {PREFIX})")
     args = parser.parse_args()
     if args.cmd == "cleanup":
-        print("removed:", cleanup() or "nothing")
+        print("removed:", cleanup(args.prefix) or "nothing")
+    elif args.cmd == "hold":
+        with EmulatedCluster(args.hosts, args.rate, prefix=args.prefix):
+            print("ready:", " ".join(namespaces(args.prefix)), flush=True)
+            time.sleep(args.seconds)
     else:
         _demo(args.hosts, args.rate, args.seconds)
 

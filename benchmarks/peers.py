@@ -17,8 +17,6 @@ Use them by class path, e.g. ``--trainer.strategy=peers.PowerSGDDDP`` with ``ben
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
 import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook as post_local
 import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as power_sgd
@@ -44,27 +42,26 @@ class HookedDDPStrategy(DDPStrategy):
 class FP16CompressDDP(HookedDDPStrategy):
     """DDP with gradients all-reduced in float16."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(ddp_comm_hook=default_hooks.fp16_compress_hook, **kwargs)
+    def __init__(self) -> None:
+        super().__init__(ddp_comm_hook=default_hooks.fp16_compress_hook)
 
 
 class PowerSGDDDP(HookedDDPStrategy):
     """DDP with PowerSGD low-rank gradient compression (error feedback, warm start)."""
 
-    def __init__(self, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 10, **kwargs: Any) -> None:
+    def __init__(self, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 10) -> None:
         state = power_sgd.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=matrix_approximation_rank,
             start_powerSGD_iter=start_powerSGD_iter,
         )
-        kwargs.setdefault("bucket_cap_mb", 100_000)
-        super().__init__(ddp_comm_state=state, ddp_comm_hook=power_sgd.powerSGD_hook, **kwargs)
+        super().__init__(ddp_comm_state=state, ddp_comm_hook=power_sgd.powerSGD_hook, bucket_cap_mb=100_000)
 
 
 class PostLocalSGDDDP(HookedDDPStrategy):
     """Post-local SGD: synchronous DDP for ``start_iter`` steps, then model averaging every ``period`` steps."""
 
-    def __init__(self, period: int = 8, start_iter: int = 10, **kwargs: Any) -> None:
+    def __init__(self, period: int = 8, start_iter: int = 10) -> None:
         # Every rank is its own node here: no gradient all-reduce after the start, only averaging.
         state = post_local.PostLocalSGDState(
             process_group=None, subgroup=None, start_localSGD_iter=start_iter, post_local_gradient_allreduce=False
@@ -73,5 +70,4 @@ class PostLocalSGDDDP(HookedDDPStrategy):
             ddp_comm_state=state,
             ddp_comm_hook=post_local.post_localSGD_hook,
             model_averaging_period=period,
-            **kwargs,
         )

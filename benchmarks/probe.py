@@ -80,6 +80,7 @@ class BenchProbe(L.Callback):
             "iface": self.iface,
             "tx_bytes": None if tx is None or self._tx0 is None else tx - self._tx0,
             "comm_stats": None if stats is None else stats.snapshot().as_dict(),
+            "param_shapes": [list(p.shape) for p in {id(p): p for p in pl_module.parameters()}.values()],
         }
         out = Path(self.out)
         out.mkdir(parents=True, exist_ok=True)
