@@ -39,16 +39,17 @@ class Communicator(ABC):
     Args:
         rank: this process's rank in the communicator (0-based).
         world_size: number of ranks.
+        stats: the statistics to charge (a subgroup shares its parent's); default: new ones.
     """
 
     backend: str = "local"
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, stats: CommStats | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size) with world_size >= 1, got rank={rank}, {world_size=}")
         self.rank = rank
         self.world_size = world_size
-        self.stats = CommStats()
+        self.stats = CommStats() if stats is None else stats
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size})"
@@ -178,6 +179,22 @@ class Communicator(ABC):
         if self.world_size == 1:
             return [obj]
         return [_from_bytes(p) for p in self.all_gather_uneven(_to_bytes(obj), tag=tag)]
+
+    def new_subgroups(self, groups: Sequence[Sequence[int]]) -> Communicator:
+        """Split the ranks into ``groups`` (lists of ranks covering every rank once); every rank must
+        call this with the same groups. Returns the communicator of this rank's group (ranks in
+        ascending order), which charges the same :class:`CommStats`."""
+        groups = [sorted(g) for g in groups]
+        flat = sorted(r for g in groups for r in g)
+        if flat != list(range(self.world_size)):
+            raise ValueError(f"groups must cover ranks 0..{self.world_size - 1} once each, got {list(groups)}")
+        mine = next(i for i, g in enumerate(groups) if self.rank in g)
+        if len(groups) == 1:
+            return self
+        return self._new_subgroups(groups, mine)
+
+    def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
+        raise NotImplementedError(f"{type(self).__name__} cannot make subgroups")
 
     # ------------------------------------------------------------------ backend hooks
 

@@ -17,6 +17,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor
 
 from lightning_commstrats.comm.base import Communicator
+from lightning_commstrats.comm.stats import CommStats
 
 MPI4PY_AVAILABLE = RequirementCache("mpi4py")
 
@@ -46,12 +47,15 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, comm: Any = None) -> None:
+    def __init__(self, comm: Any = None, stats: CommStats | None = None) -> None:
         mpi = import_mpi()
         self._MPI = mpi
         self.comm = mpi.COMM_WORLD if comm is None else comm
-        super().__init__(rank=self.comm.Get_rank(), world_size=self.comm.Get_size())
+        super().__init__(rank=self.comm.Get_rank(), world_size=self.comm.Get_size(), stats=stats)
         self._ops = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}
+
+    def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
+        return MPICommunicator(self.comm.Split(color=mine, key=self.rank), stats=self.stats)
 
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
         with _host(tensor, reduce=True) as buf:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_commstrats.comm.base import Communicator
+from lightning_commstrats.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +26,20 @@ class TorchCommunicator(Communicator):
             (see :func:`init_process_group`).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
         self.group = group
         self.backend = str(dist.get_backend(group))
-        super().__init__(rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+        super().__init__(rank=dist.get_rank(group), world_size=dist.get_world_size(group), stats=stats)
+
+    def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
+        made = None
+        for i, ranks in enumerate(groups):  # every rank creates every group, in the same order
+            group = dist.new_group([self._global(r) for r in ranks])
+            if i == mine:
+                made = group
+        return TorchCommunicator(made, stats=self.stats)
 
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
         dist.all_reduce(tensor, op=_OPS[op], group=self.group)

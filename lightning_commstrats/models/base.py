@@ -8,15 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
-ROLES = ("embedding", "recurrent", "attention", "ffn", "norm", "output", "router", "expert")
+from lightning_commstrats.roles import ROLES, declare
 
-
-def declare(module: nn.Module, role: str) -> nn.Module:
-    """Mark ``module`` as playing ``role``; returns it, so it can wrap a constructor call."""
-    if role not in ROLES:
-        raise ValueError(f"role={role!r} is not one of {ROLES}")
-    module._commstrats_role = role  # type: ignore[assignment]
-    return module
+__all__ = ["ROLES", "LanguageModelBase", "check_common", "declare", "tie"]
 
 
 class LanguageModelBase(nn.Module):

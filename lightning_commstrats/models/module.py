@@ -39,15 +39,25 @@ def build_model(
     num_heads: int,
     ffn_dim: int,
     max_seq_len: int,
+    moe: dict | None = None,
 ) -> LanguageModelBase:
-    """Build an LM by name; for the Transformer ``hidden_dim`` is ``d_model`` and ``embed_dim`` is unused."""
+    """Build an LM by name; for the Transformer ``hidden_dim`` is ``d_model`` and ``embed_dim`` is unused.
+
+    ``moe`` (``num_experts``, ``moe_every``, ``top_k``, ``capacity_factor``, ``balance``) turns the
+    Transformer's FFNs into mixture-of-experts layers.
+    """
+    moe = moe or {}
+    if moe.get("num_experts", 0) and arch != "transformer":
+        raise ValueError(f"num_experts > 0 needs arch='transformer', got arch={arch!r}")
     if arch == "lstm":
         return LSTMLM(LSTMConfig(vocab_size, embed_dim, hidden_dim, num_layers, dropout, tie_weights))
     if arch == "ffn":
         return FFNLM(FFNConfig(vocab_size, order, embed_dim, hidden_dim, num_layers, dropout, tie_weights))
     if arch == "transformer":
         return TransformerLM(
-            TransformerConfig(vocab_size, hidden_dim, num_heads, num_layers, ffn_dim, max_seq_len, dropout, tie_weights)
+            TransformerConfig(
+                vocab_size, hidden_dim, num_heads, num_layers, ffn_dim, max_seq_len, dropout, tie_weights, **moe
+            )
         )
     raise ValueError(f"arch={arch!r} is not supported; choose one of {ARCHS}")
 
@@ -80,6 +90,13 @@ class LanguageModel(L.LightningModule):
             (multiply by ``lr_decay`` after every epoch).
         warmup_steps: linear warm-up from 0, in optimizer steps.
         lr_decay: factor per epoch for ``"epoch_decay"``.
+        num_experts: > 0 makes the Transformer's FFNs mixtures of this many experts.
+        moe_every: every k-th block gets the MoE FFN.
+        top_k: experts per token (1: Switch, 2: GShard).
+        capacity_factor: expert capacity relative to an even share (``balance="capacity"``).
+        balance: ``"aux"`` (dropless, auxiliary loss only), ``"capacity"`` (drop beyond capacity)
+            or ``"swipe"`` (every expert gets exactly its share, nothing dropped).
+        aux_loss_weight: weight of the load-balancing loss in the training loss.
     """
 
     def __init__(
@@ -102,6 +119,12 @@ class LanguageModel(L.LightningModule):
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
         lr_decay: float = 0.5,
+        num_experts: int = 0,
+        moe_every: int = 1,
+        top_k: int = 1,
+        capacity_factor: float = 1.25,
+        balance: str = "aux",
+        aux_loss_weight: float = 0.01,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -123,6 +146,15 @@ class LanguageModel(L.LightningModule):
             num_heads,
             ffn_dim,
             max_seq_len,
+            moe=None
+            if not num_experts
+            else {
+                "num_experts": num_experts,
+                "moe_every": moe_every,
+                "top_k": top_k,
+                "capacity_factor": capacity_factor,
+                "balance": balance,
+            },
         )
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self.test_ppl = Perplexity(ignore_index=IGNORE_INDEX)
@@ -147,7 +179,25 @@ class LanguageModel(L.LightningModule):
         loss = lm_loss(self(x), y)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/ppl", loss.detach().exp())
+        if self.hparams.num_experts:
+            aux = self.net.aux_loss
+            self._log_moe(aux)
+            return loss + self.hparams.aux_loss_weight * aux
         return loss
+
+    def _log_moe(self, aux: Tensor) -> None:
+        """Tokens per expert (summed over MoE layers), balance (max / mean load), dropped slots, aux loss."""
+        layers = self.net.moe_layers()
+        load = sum(m.routing.load for m in layers).float()
+        self.log_dict(
+            {
+                "moe/aux_loss": aux.detach(),
+                "moe/max_load": load.max(),
+                "moe/mean_load": load.mean(),
+                "moe/balance": load.max() / load.mean(),
+                "moe/dropped": float(sum(m.routing.dropped for m in layers)),
+            }
+        )
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch

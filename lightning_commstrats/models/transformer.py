@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_commstrats.models.base import LanguageModelBase, check_common, declare, tie
+from lightning_commstrats.moe.layer import MoELayer
 
 
 @dataclass
@@ -21,6 +22,11 @@ class TransformerConfig:
     max_seq_len: int = 512
     dropout: float = 0.1
     tie_weights: bool = True
+    num_experts: int = 0  # > 0: mixture-of-experts FFNs
+    moe_every: int = 1  # every k-th block gets the MoE FFN (k = 2: blocks 2, 4, ...)
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    balance: str = "aux"  # "aux", "capacity" or "swipe"
 
 
 class CausalSelfAttention(nn.Module):
@@ -50,12 +56,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: TransformerConfig) -> None:
+    def __init__(self, c: TransformerConfig, moe: bool = False) -> None:
         super().__init__()
         self.norm1 = declare(nn.LayerNorm(c.d_model), "norm")
         self.attn = declare(CausalSelfAttention(c.d_model, c.num_heads, c.dropout), "attention")
         self.norm2 = declare(nn.LayerNorm(c.d_model), "norm")
-        self.ffn = declare(FeedForward(c.d_model, c.ffn_dim, c.dropout), "ffn")
+        if moe:  # its experts and router declare their own roles
+            self.ffn: nn.Module = MoELayer(c.d_model, c.ffn_dim, c.num_experts, c.top_k, c.balance, c.capacity_factor)
+        else:
+            self.ffn = declare(FeedForward(c.d_model, c.ffn_dim, c.dropout), "ffn")
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -73,16 +82,30 @@ class TransformerLM(LanguageModelBase):
             raise ValueError(f"d_model={config.d_model} must be divisible by num_heads={config.num_heads}")
         if config.num_layers < 1 or config.max_seq_len < 1:
             raise ValueError("num_layers and max_seq_len must be >= 1")
+        if config.num_experts < 0 or config.moe_every < 1:
+            raise ValueError(f"need num_experts >= 0 and moe_every >= 1, got {config.num_experts}, {config.moe_every}")
         self.config = config
         self.embedding = declare(nn.Embedding(config.vocab_size, config.d_model), "embedding")
         self.position = declare(nn.Embedding(config.max_seq_len, config.d_model), "embedding")
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(
+            Block(config, moe=config.num_experts > 0 and (i + 1) % config.moe_every == 0)
+            for i in range(config.num_layers)
+        )
         self.norm = declare(nn.LayerNorm(config.d_model), "norm")
         self.output = declare(nn.Linear(config.d_model, config.vocab_size), "output")
         self.apply(_init)
         if config.tie_weights:
             tie(self.output, self.embedding)
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    @property
+    def aux_loss(self) -> Tensor:
+        """The MoE layers' load-balancing losses of the last forward, summed (0 for a dense model)."""
+        layers = self.moe_layers()
+        return sum((m.aux_loss for m in layers), torch.zeros(())) if layers else torch.zeros(())
 
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]
@@ -95,7 +118,7 @@ class TransformerLM(LanguageModelBase):
         return self.output(self.norm(x))
 
 
-def _init(m: nn.Module) -> None:
+def _init(m: nn.Module) -> None:  # the experts initialise themselves the same way
     if isinstance(m, (nn.Linear, nn.Embedding)):
         nn.init.normal_(m.weight, std=0.02)
     if isinstance(m, nn.Linear) and m.bias is not None:

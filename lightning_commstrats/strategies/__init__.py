@@ -3,6 +3,7 @@
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy
 from lightning_commstrats.strategies.base import CommStrategy
 from lightning_commstrats.strategies.bmuf import BMUFStrategy
+from lightning_commstrats.strategies.expert_parallel import ExpertParallelStrategy
 from lightning_commstrats.strategies.local_sgd import LocalSGDStrategy
 from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
 from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, PeriodicSyncStrategy
@@ -15,6 +16,7 @@ STRATEGIES: tuple[type[CommStrategy], ...] = (
     BMUFStrategy,
     LocalSGDStrategy,
     SampledVocabStrategy,
+    ExpertParallelStrategy,
 )
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "AllReduceStrategy",
     "BMUFStrategy",
     "CommStrategy",
+    "ExpertParallelStrategy",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
     "OneBitSGDStrategy",

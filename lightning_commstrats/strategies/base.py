@@ -241,13 +241,21 @@ class CommStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # Every rank starts from rank 0's weights, as DDP does when it wraps a model.
-        self.broadcast_module(self.model)
+        self.configure_model_parallel()
+        self.synchronize_initial_weights()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def configure_model_parallel(self) -> None:
+        """Shard the model across ranks before the optimizers are built (no-op: pure data parallel)."""
+
+    def synchronize_initial_weights(self) -> None:
+        """Every rank starts from rank 0's weights, as DDP does when it wraps a model."""
+        assert self.model is not None
+        self.broadcast_module(self.model)
 
     def broadcast_module(self, module: Module, src: int = 0) -> None:
         """Overwrite every parameter and buffer of ``module`` with rank ``src``'s (tag ``"setup"``)."""

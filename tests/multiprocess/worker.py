@@ -107,7 +107,27 @@ class TinyLM(LanguageModel):
         return DataLoader(StreamWindows(self.stream, 8, pad_id=2), batch_size=self.batch_size, shuffle=False)
 
 
-MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers, "lm": TinyLM}
+class TinyMoELM(TinyLM):
+    """TinyLM as a two-block Transformer whose second FFN is a mixture of 4 experts."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        moe = {
+            "arch": "transformer",
+            "hidden_dim": 16,
+            "num_heads": 2,
+            "num_layers": 2,
+            "ffn_dim": 32,
+            "max_seq_len": 8,
+            "dropout": 0.0,
+            "num_experts": 4,
+            "moe_every": 2,
+            "optimizer": "sgd",
+            "lr": 0.5,
+        }
+        super().__init__(**{**moe, **kwargs})
+
+
+MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers, "lm": TinyLM, "moe": TinyMoELM}
 
 
 class Trace(L.Callback):

@@ -1,0 +1,16 @@
+"""Mixture of experts: gates with capacity and SWIPE balancing, and the (expert-parallel) MoE layer."""
+
+from lightning_commstrats.moe.gating import BALANCE_MODES, Routing, capacity, load_balancing_loss, route, swipe_assign
+from lightning_commstrats.moe.layer import AllToAll, Experts, MoELayer
+
+__all__ = [
+    "BALANCE_MODES",
+    "AllToAll",
+    "Experts",
+    "MoELayer",
+    "Routing",
+    "capacity",
+    "load_balancing_loss",
+    "route",
+    "swipe_assign",
+]

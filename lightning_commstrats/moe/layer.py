@@ -1,0 +1,164 @@
+"""The mixture-of-experts feed-forward layer, local or expert-parallel.
+
+Pure PyTorch, no Lightning. :class:`MoELayer` replaces a Transformer block's FFN: a router (run in
+float32) picks experts per token (:mod:`.gating`), the tokens are grouped by expert, every expert
+is a GELU FFN, and the outputs are combined with the gate weights.
+
+Expert parallelism: :meth:`MoELayer.shard` keeps only this rank's ``num_experts / ep`` experts and
+attaches the expert-parallel communicator. Tokens then travel to the rank holding their expert and
+back with two all-to-alls (uneven splits, tag ``"tokens"``; the per-expert counts that precede
+them are tagged ``"tokens_meta"``), and backward runs the transposed all-to-alls, so gradients
+flow to the right tokens and experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.moe.gating import BALANCE_MODES, Routing, route
+from lightning_commstrats.roles import declare
+
+
+class AllToAll(torch.autograd.Function):
+    """All-to-all along dim 0 whose backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Communicator, send: list[int], recv: list[int], tag: str) -> Tensor:  # type: ignore[override]
+        ctx.comm, ctx.send, ctx.recv, ctx.tag = comm, send, recv, tag
+        return comm.all_to_all(x.contiguous(), send, recv, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        return ctx.comm.all_to_all(grad.contiguous(), ctx.recv, ctx.send, tag=ctx.tag), None, None, None, None
+
+
+class Experts(nn.Module):
+    """``num_experts`` GELU FFNs ``d -> f -> d`` stored as stacked tensors (easy to shard)."""
+
+    def __init__(self, num_experts: int, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, d_model, ffn_dim) * 0.02)
+        self.b1 = nn.Parameter(torch.zeros(num_experts, ffn_dim))
+        self.w2 = nn.Parameter(torch.randn(num_experts, ffn_dim, d_model) * 0.02)
+        self.b2 = nn.Parameter(torch.zeros(num_experts, d_model))
+        self.first = 0  # global index of the first expert held here
+
+    @property
+    def count(self) -> int:
+        return self.w1.shape[0]
+
+    def keep(self, first: int, last: int) -> None:
+        """Keep experts ``first .. last - 1`` only (their global indices)."""
+        for name in ("w1", "b1", "w2", "b2"):
+            setattr(
+                self, name, nn.Parameter(getattr(self, name).detach()[first - self.first : last - self.first].clone())
+            )
+        self.first = first
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        """``x``: rows grouped by local expert, ``counts[e]`` rows for expert ``e``."""
+        # Empty chunks are computed too: the result must stay in the autograd graph even when no
+        # token came, or this rank would skip the all-to-alls of backward that its peers wait in.
+        outs = []
+        for e, chunk in enumerate(x.split(counts)):
+            h = F.gelu(torch.addmm(self.b1[e], chunk, self.w1[e]))
+            outs.append(torch.addmm(self.b2[e], h, self.w2[e]))
+        return torch.cat(outs)
+
+
+class MoELayer(nn.Module):
+    """Top-k routed mixture of ``num_experts`` FFN experts.
+
+    Args:
+        d_model: token width.
+        ffn_dim: every expert's hidden width.
+        num_experts: experts in the layer (over all ranks).
+        top_k: 1 (Switch) or 2 (GShard).
+        balance: ``"aux"`` (dropless), ``"capacity"`` (drop over capacity) or ``"swipe"``.
+        capacity_factor: slots per expert relative to an even share (``"capacity"`` mode).
+
+    After a forward, ``aux_loss`` holds the load-balancing loss and ``routing`` the last
+    :class:`~lightning_commstrats.moe.gating.Routing` (for metrics).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        num_experts: int,
+        top_k: int = 1,
+        balance: str = "aux",
+        capacity_factor: float = 1.25,
+    ) -> None:
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        if balance not in BALANCE_MODES:
+            raise ValueError(f"balance={balance!r} is not supported; choose one of {BALANCE_MODES}")
+        if balance == "swipe" and top_k != 1:
+            raise ValueError("balance='swipe' routes top-1: set top_k=1")
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.balance = balance
+        self.capacity_factor = capacity_factor
+        self.router = declare(nn.Linear(d_model, num_experts, bias=False), "router")
+        self.experts = declare(Experts(num_experts, d_model, ffn_dim), "expert")
+        self.comm: Communicator | None = None
+        self.aux_loss = torch.zeros(())
+        self.routing: Routing | None = None
+
+    def shard(self, comm: Communicator) -> None:
+        """Keep this rank's share of the experts; tokens will travel over ``comm`` (the EP group)."""
+        ep = comm.world_size
+        if self.num_experts % ep:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the expert-parallel size {ep}")
+        per_rank = self.num_experts // ep
+        self.experts.keep(comm.rank * per_rank, (comm.rank + 1) * per_rank)
+        self.comm = comm
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        with torch.autocast(device_type=tokens.device.type, enabled=False):
+            logits = F.linear(tokens.float(), self.router.weight.float())
+        routing = route(logits, self.top_k, self.balance, self.capacity_factor)
+        self.aux_loss, self.routing = routing.aux_loss, routing
+        keep = routing.kept.reshape(-1)
+        slot_expert = routing.experts.reshape(-1)[keep]
+        slot_token = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)[keep]
+        slot_weight = routing.weights.reshape(-1)[keep]
+        order = torch.argsort(slot_expert, stable=True)
+        slot_expert, slot_token, slot_weight = slot_expert[order], slot_token[order], slot_weight[order]
+        inputs = tokens[slot_token]
+        counts = torch.bincount(slot_expert, minlength=self.num_experts)
+        if self.comm is None or self.comm.world_size == 1:
+            out = self.experts(inputs, counts.tolist())
+        else:
+            out = self._expert_parallel(inputs, counts)
+        y = torch.zeros_like(tokens).index_add(0, slot_token, out * slot_weight.unsqueeze(1).to(out.dtype))
+        return y.view(shape)
+
+    def _expert_parallel(self, inputs: Tensor, counts: Tensor) -> Tensor:
+        comm = self.comm
+        ep, local = comm.world_size, self.experts.count
+        per_rank = counts.view(ep, local)
+        send = per_rank.sum(1).tolist()
+        # how many rows each source rank sends for each of my experts: [source, local expert]
+        recv_counts = comm.all_to_all(per_rank, [1] * ep, [1] * ep, tag="tokens_meta")
+        recv = recv_counts.sum(1).tolist()
+        received = AllToAll.apply(inputs, comm, send, recv, "tokens")
+        # received rows are grouped by source, then expert: regroup by expert for the FFNs
+        source_major = torch.arange(ep * local, device=inputs.device).view(ep, local)
+        chunk_ids = torch.repeat_interleave(source_major.reshape(-1), recv_counts.reshape(-1))
+        by_expert = torch.argsort(chunk_ids % local * ep + chunk_ids // local, stable=True)
+        computed = self.experts(received[by_expert], recv_counts.sum(0).tolist())
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=inputs.device)
+        return AllToAll.apply(computed[back], comm, recv, send, "tokens")

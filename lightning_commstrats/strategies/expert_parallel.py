@@ -1,0 +1,215 @@
+"""``expert_parallel``: MoE experts sharded over ranks, tokens moved by all-to-all, in a dp x ep layout."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.moe.layer import MoELayer
+from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
+from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
+
+log = logging.getLogger(__name__)
+
+INNER = ("dp", "ep")
+
+
+def layout_groups(world_size: int, dp: int, ep: int, inner: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert-parallel groups and the data-parallel groups of a ``dp x ep`` layout.
+
+    ``inner`` is the dimension whose ranks are neighbours (consecutive ranks, e.g. one node or one
+    supernode): ``"dp"`` puts the replicas of the same experts next to each other and spreads each
+    expert-parallel group across them (the 2022 paper's hierarchical layout); ``"ep"`` keeps each
+    expert-parallel group together (the symmetric layout).
+    """
+    if dp * ep != world_size:
+        raise ValueError(f"dp_size x ep_size = {dp} x {ep} = {dp * ep} must equal the world size {world_size}")
+    if inner not in INNER:
+        raise ValueError(f"inner={inner!r} is not supported; choose one of {INNER}")
+    if inner == "dp":
+        rank = lambda e, d: e * dp + d  # noqa: E731
+    else:
+        rank = lambda e, d: d * ep + e  # noqa: E731
+    ep_groups = [[rank(e, d) for e in range(ep)] for d in range(dp)]
+    dp_groups = [[rank(e, d) for d in range(dp)] for e in range(ep)]
+    return ep_groups, dp_groups
+
+
+class ExpertParallelStrategy(OneBitSGDStrategy):
+    """Expert parallelism for mixture-of-experts models, in a data x expert parallel layout.
+
+    Stores the expert-parallel and data-parallel communicators; every rank's experts and optimizer
+    state are saved per rank in checkpoints.
+
+    The ``world = dp x ep`` ranks form ``dp`` expert-parallel groups of ``ep`` ranks; in each, rank
+    ``i`` holds experts ``i * E/ep .. (i+1) * E/ep - 1`` of every MoE layer. Each step:
+
+    1. each MoE layer routes its tokens (router replicated on every rank), sends every token to the
+       rank of its expert and gets the result back (two all-to-alls with uneven splits, tag
+       ``"tokens"``, transposed in backward);
+    2. dense gradients (attention, embeddings, routers...) are averaged over all ranks, by fp32
+       all-reduce or by any quantization of ``onebit_sgd`` (``num_quantization_bits``);
+    3. expert gradients are summed only over the ``dp`` replicas of those experts (tag
+       ``"grad_experts"``) and divided by the world size: each owner's gradient already holds its
+       expert-parallel group's tokens, so the result is the data-parallel average.
+
+    Layout: ``inner="dp"`` (default) puts an expert's replicas on neighbouring ranks and spreads the
+    all-to-all across them: the hierarchical choice of the 2022 paper on 174-trillion-parameter
+    MoE training (data parallel inside a supernode, expert parallel across supernodes, 1.6x faster
+    than the symmetric layout on its pruned fat-tree). ``inner="ep"`` keeps each expert-parallel
+    group on neighbouring ranks. Which is faster depends on how many tokens cross the slow links
+    against how many expert weights do: ``benchmarks/moe_layout.py`` measures both.
+
+    Checkpoints: each rank's experts go into the checkpoint per rank; loading onto another world
+    size or ``ep_size`` is an error (no re-sharding).
+
+    Args:
+        ep_size: ranks per expert-parallel group (default: the world size, i.e. ``dp = 1``).
+        dp_size: replicas of each expert (default: world size / ``ep_size``).
+        inner: ``"dp"`` or ``"ep"``: which dimension is on neighbouring ranks.
+        num_quantization_bits: dense-gradient exchange: 32 (fp32 all-reduce) or 1, 2, 4, 8, 16.
+        **kwargs: :class:`OneBitSGDStrategy` / :class:`CommStrategy` arguments.
+    """
+
+    strategy_name = "expert_parallel"
+
+    def __init__(
+        self,
+        ep_size: int | None = None,
+        dp_size: int | None = None,
+        inner: str = "dp",
+        num_quantization_bits: int = 32,
+        **kwargs: Any,
+    ) -> None:
+        for name, value in (("ep_size", ep_size), ("dp_size", dp_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if inner not in INNER:
+            raise ValueError(f"inner={inner!r} is not supported; choose one of {INNER}")
+        super().__init__(num_quantization_bits=num_quantization_bits, **kwargs)
+        self._ep_size = ep_size
+        self._dp_size = dp_size
+        self.inner = inner
+        self.ep_comm: Communicator | None = None
+        self.dp_comm: Communicator | None = None
+
+    @property
+    def ep_size(self) -> int:
+        if self._ep_size is not None:
+            return self._ep_size
+        return self.world_size // self._dp_size if self._dp_size else self.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self._dp_size if self._dp_size is not None else self.world_size // self.ep_size
+
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        world = self.num_nodes * self.num_processes
+        if world and (self.world_size % self.ep_size or self.dp_size * self.ep_size != self.world_size):
+            raise ValueError(
+                f"dp_size x ep_size = {self.dp_size} x {self.ep_size} must equal the world size {self.world_size}"
+                f" (devices x num_nodes)"
+            )
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints hold sharded experts: load them into the model once it is sharded."""
+        return True
+
+    # ------------------------------------------------------------------ sharding
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.lightning_module.modules() if isinstance(m, MoELayer)]
+
+    def expert_params(self) -> list[torch.nn.Parameter]:
+        return [p for layer in self.moe_layers() for p in layer.experts.parameters()]
+
+    @override
+    def configure_model_parallel(self) -> None:
+        layers = self.moe_layers()
+        if not layers:
+            raise ValueError("expert_parallel needs a model with MoE layers (lightning_commstrats.moe.MoELayer)")
+        for layer in layers:
+            if layer.num_experts % self.ep_size:
+                raise ValueError(f"num_experts={layer.num_experts} is not divisible by ep_size={self.ep_size}")
+        ep_groups, dp_groups = layout_groups(self.world_size, self.dp_size, self.ep_size, self.inner)
+        self.ep_comm = self.comm.new_subgroups(ep_groups)
+        self.dp_comm = self.comm.new_subgroups(dp_groups)
+        for layer in layers:
+            layer.shard(self.ep_comm)
+        log.info(
+            "expert_parallel: rank %d holds experts %d.. of %d per layer; dp=%d x ep=%d, %s inner",
+            self.global_rank,
+            layers[0].experts.first,
+            layers[0].num_experts,
+            self.dp_size,
+            self.ep_size,
+            self.inner,
+        )
+
+    @override
+    def synchronize_initial_weights(self) -> None:
+        experts = {id(p) for p in self.expert_params()}
+        with torch.no_grad():
+            for p in self.lightning_module.parameters():
+                if id(p) in experts:
+                    self.dp_comm.broadcast(p.data, 0, tag="setup")  # replicas of the same experts agree
+                else:
+                    self.comm.broadcast(p.data, 0, tag="setup")
+            for b in self.lightning_module.buffers():
+                self.comm.broadcast(b.data, 0, tag="setup")
+
+    # ------------------------------------------------------------------ gradients
+
+    @override
+    def after_backward(self, optimizer: Optimizer) -> None:
+        if self.world_size == 1:
+            return
+        params = trainable_params(optimizer)
+        experts = {id(p) for p in self.expert_params()}
+        self.exchange_gradients([p for p in params if id(p) not in experts])
+        # An owner's expert gradient already sums the contributions of its whole expert-parallel
+        # group (backward brought them through the all-to-all); summing over the replicas and
+        # dividing by the world size gives the data-parallel average, as for dense parameters.
+        for g in (dense_grad(p) for p in params if id(p) in experts):
+            if self.dp_size > 1:
+                self.dp_comm.all_reduce(g, "sum", tag="grad_experts")
+            g.div_(self.world_size)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def rank_state_dict(self) -> dict[str, Any]:
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        return {
+            **super().rank_state_dict(),
+            "experts": {names[id(p)]: p.detach() for p in self.expert_params()},
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "layout": [self.dp_size, self.ep_size, self.inner],
+        }
+
+    @override
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        if list(rank_state["layout"]) != [self.dp_size, self.ep_size, self.inner]:
+            raise ValueError(
+                f"it was saved with dp x ep = {rank_state['layout'][0]} x {rank_state['layout'][1]}"
+                f" ({rank_state['layout'][2]} inner) and this run has {self.dp_size} x {self.ep_size} ({self.inner});"
+                " experts are not re-sharded"
+            )
+        params = dict(self.lightning_module.named_parameters())
+        for name, value in rank_state["experts"].items():
+            if name not in params or params[name].shape != value.shape:
+                raise ValueError(f"its experts {name!r} {tuple(value.shape)} do not fit this model")
+        super().load_state_dict(state, rank_state)
+        with torch.no_grad():
+            for name, value in rank_state["experts"].items():
+                params[name].copy_(value)
+        for optimizer, opt_state in zip(self.optimizers, rank_state["optimizers"], strict=True):
+            optimizer.load_state_dict(opt_state)

@@ -1,0 +1,101 @@
+"""One rank of the expert-parallel test: an MoE layer sharded over the ranks against the same layer
+unsharded in one process, on every rank's tokens.
+
+Usage: ``moe_worker.py SPEC_JSON OUT_DIR``; SPEC: ``dp``, ``ep``, ``inner``, ``experts``, ``top_k``,
+``balance``, ``tokens``, ``d``, ``f``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_commstrats.comm import create_communicator, destroy_process_group
+from lightning_commstrats.moe import MoELayer
+from lightning_commstrats.strategies.expert_parallel import layout_groups
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = Path(sys.argv[2])
+    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    comm = create_communicator(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        device=torch.device("cpu"),
+        main_address=os.environ["MASTER_ADDR"],
+        main_port=int(os.environ["MASTER_PORT"]),
+    )
+    ep_groups, dp_groups = layout_groups(world, spec["dp"], spec["ep"], spec["inner"])
+    ep_comm, dp_comm = comm.new_subgroups(ep_groups), comm.new_subgroups(dp_groups)
+    d = spec["d"]
+    torch.manual_seed(0)
+    reference = MoELayer(d, spec["f"], spec["experts"], spec["top_k"], spec["balance"], capacity_factor=1.0)
+    sharded = copy.deepcopy(reference)
+    sharded.shard(ep_comm)
+
+    def data(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + r)
+        x = torch.randn(2, spec["tokens"] // 2, d, generator=g)
+        x[..., 0] += 3 * (r + 1)  # ranks route differently
+        return x, torch.randn(2, spec["tokens"] // 2, d, generator=g)
+
+    # reference: every rank's tokens through the whole layer, losses summed
+    ref_inputs = []
+    total = 0.0
+    for r in range(world):
+        x, w = data(r)
+        x.requires_grad_(True)
+        total = total + (reference(x) * w).sum()
+        ref_inputs.append(x)
+    total.backward()
+    x, w = data(rank)
+    x.requires_grad_(True)
+    before = comm.stats.by_tag.get("tokens")
+    before = before.bytes_sent if before else 0
+    y = sharded(x)
+    forward_bytes = comm.stats.by_tag["tokens"].bytes_sent - before
+    (y * w).sum().backward()
+    backward_bytes = comm.stats.by_tag["tokens"].bytes_sent - before - forward_bytes
+    # what the routing sent: rows to other ranks' experts, and the results returned to them
+    with torch.no_grad():
+        y_ref = reference(data(rank)[0])
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, ref_inputs[rank].grad, atol=1e-5, rtol=1e-5)
+    # router gradients: summed over all ranks; expert gradients: summed over each expert's replicas
+    router_grad = comm.all_reduce(sharded.router.weight.grad.clone(), "sum")
+    torch.testing.assert_close(router_grad, reference.router.weight.grad, atol=1e-5, rtol=1e-5)
+    first, count = sharded.experts.first, sharded.experts.count
+    for name in ("w1", "b1", "w2", "b2"):
+        grad = dp_comm.all_reduce(getattr(sharded.experts, name).grad.clone(), "sum")
+        torch.testing.assert_close(
+            grad, getattr(reference.experts, name).grad[first : first + count], atol=1e-5, rtol=1e-5
+        )
+    routing = sharded.routing
+    per_expert = torch.bincount(routing.experts[routing.kept], minlength=spec["experts"])
+    per_rank = per_expert.view(spec["ep"], -1).sum(1)
+    me = ep_comm.rank
+    torch.save(
+        {
+            "forward_bytes": forward_bytes,
+            "backward_bytes": backward_bytes,
+            "sent_rows": int(per_rank.sum() - per_rank[me]),
+            "load": routing.load.tolist(),
+            "dropped": routing.dropped,
+            "first": first,
+            "count": count,
+        },
+        out / f"rank{rank}.pt",
+    )
+    comm.barrier()  # leave together: a rank exiting while a peer still talks aborts gloo
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Expert parallelism on real ranks against the unsharded layer in one process."""
+
+import pytest
+import torch
+from harness import WORKER, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+MOE_WORKER = WORKER.parent / "moe_worker.py"
+BASE = {"experts": 4, "tokens": 24, "d": 8, "f": 16}
+
+
+@pytest.mark.parametrize(
+    ("world", "dp", "ep", "inner", "top_k", "balance"),
+    [
+        (2, 1, 2, "dp", 1, "aux"),
+        (2, 1, 2, "dp", 2, "capacity"),
+        (4, 1, 4, "dp", 1, "swipe"),
+        (4, 2, 2, "dp", 2, "aux"),
+        (4, 2, 2, "ep", 1, "capacity"),
+    ],
+)
+def test_sharded_forward_and_backward_equal_the_single_process_layer(world, dp, ep, inner, top_k, balance):
+    spec = {**BASE, "dp": dp, "ep": ep, "inner": inner, "top_k": top_k, "balance": balance}
+    results = run_ranks(spec, world, script=MOE_WORKER)
+    for res in results:
+        # all-to-all bytes: the rows that left for other ranks, out and back, x hidden x 4 bytes
+        # (the return trip sends back exactly what came in from others: summed over ranks they match)
+        assert res["backward_bytes"] == res["forward_bytes"]
+    total_forward = sum(r["forward_bytes"] for r in results)
+    assert total_forward == 2 * sum(r["sent_rows"] for r in results) * BASE["d"] * 4
+    assert sorted({(r["first"], r["count"]) for r in results}) == [(i * 4 // ep, 4 // ep) for i in range(ep)]
+    if balance == "swipe":
+        for r in results:
+            assert max(r["load"]) == min(r["load"]) == BASE["tokens"] // 4 and r["dropped"] == 0
+
+
+def _expert_slice(name, value, ep_rank, per_rank):
+    return value[ep_rank * per_rank : (ep_rank + 1) * per_rank] if ".experts." in name else value
+
+
+def test_expert_parallel_training_equals_data_parallel_training_and_resumes():
+    moe = {"model": "moe", "max_steps": 6, "momentum": 0.0}
+    scenarios = {
+        "ar": {**moe, "strategy": "allreduce"},
+        "ep": {**moe, "strategy": "expert_parallel", "kwargs": {"ep_size": 2}},
+        "ep_straight": {**moe, "strategy": "expert_parallel", "max_steps": 64 + 8, "ckpt_every": 64},
+        "ep_resumed": {**moe, "strategy": "expert_parallel", "max_steps": 64 + 8, "resume": ["ep_straight", 64]},
+    }
+    results = run_ranks({"scenarios": scenarios}, 2)
+    for rank, res in enumerate(results):
+        ar, ep = res["ar"]["params"], res["ep"]["params"]
+        assert ep["net.blocks.1.ffn.experts.w1"].shape[0] == 2  # half of the 4 experts
+        for name, value in ep.items():
+            torch.testing.assert_close(value, _expert_slice(name, ar[name], rank, 2), atol=1e-5, rtol=1e-4)
+        assert res["ep"]["stats"]["tokens/bytes_sent"] > 0
+        for name, value in res["ep_straight"]["params"].items():
+            torch.testing.assert_close(res["ep_resumed"]["params"][name], value, atol=1e-6, rtol=0)
+    # the two ranks hold different experts
+    assert not torch.equal(
+        results[0]["ep"]["params"]["net.blocks.1.ffn.experts.w1"],
+        results[1]["ep"]["params"]["net.blocks.1.ffn.experts.w1"],
+    )
