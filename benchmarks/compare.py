@@ -334,6 +334,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, pred
     return "\n".join(lines)
 
 
+def _run_dir(out: Path, entry: Entry) -> Path:
+    return out / entry.label.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "")
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else spec.format(value)
 
@@ -442,11 +446,11 @@ def main() -> None:
             args.steps, args.val_every, args.val_batches, args.batch_size = 5, 5, 1, 8
         scaling(args)
         return
-    todo = [e for e in entries(args.steps, args.quick) if not args.only or e.label in args.only]
-    rows = []
+    every = entries(args.steps, args.quick)
+    todo = [e for e in every if not args.only or e.label in args.only]
     with _maybe_cluster(args) as (cluster, where):
         for entry in todo:
-            run_dir = out / entry.label.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "")
+            run_dir = _run_dir(out, entry)
             run_dir.mkdir(parents=True, exist_ok=True)
             for old in run_dir.glob("probe.rank*.json"):
                 old.unlink()
@@ -454,12 +458,14 @@ def main() -> None:
             wall = launch(entry, args, None if entry.mpi else cluster, run_dir)
             row = summarize(entry, run_dir, wall, args)
             row["predict"] = entry.predict
+            row["where"] = where
             (run_dir / "summary.json").write_text(json.dumps(row, indent=1))
-            rows.append(row)
             print(
                 f"   median step {row['median_step_s']:.3f}s, final ppl {row['final_ppl']}, wall {wall:.0f}s",
                 flush=True,
             )
+    # the table covers every entry measured into this folder, so `--only` can redo a few
+    rows = [json.loads(p.read_text()) for p in (_run_dir(out, e) / "summary.json" for e in every) if p.exists()]
     text = table(rows, args, where, predictions(args, rows))
     (out / "results.json").write_text(json.dumps({"where": where, "rows": rows}, indent=1))
     (out / "results.md").write_text(text + "\n")

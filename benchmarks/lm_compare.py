@@ -87,7 +87,8 @@ def run(label: str, name: str, kwargs: dict[str, Any], args: argparse.Namespace,
     if proc.returncode:
         raise SystemExit(f"{label} failed (log: {run_dir / 'log.txt'}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("comm_stats.rank*.json"))]
-    rows = list(csv.DictReader(open(run_dir / "csv" / "version_0" / "metrics.csv")))
+    metrics = run_dir / "csv" / "version_0" / "metrics.csv"
+    rows = list(csv.DictReader(open(metrics))) if metrics.exists() else []  # none without validation
     val = [float(r["val/ppl"]) for r in rows if r.get("val/ppl")]
     hparams = yaml.safe_load(open(run_dir / "csv" / "version_0" / "hparams.yaml"))
     return {

@@ -111,11 +111,16 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
     @override
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
-        world = self.num_nodes * self.num_processes
-        if world and (self.world_size % self.ep_size or self.dp_size * self.ep_size != self.world_size):
+        if not self.num_nodes * self.num_processes:
+            return
+        if self.world_size % self.ep_size:
+            raise ValueError(
+                f"ep_size={self.ep_size} must divide the world size {self.world_size} (devices x num_nodes)"
+            )
+        if self.dp_size * self.ep_size != self.world_size:
             raise ValueError(
                 f"dp_size x ep_size = {self.dp_size} x {self.ep_size} must equal the world size {self.world_size}"
-                f" (devices x num_nodes)"
+                " (devices x num_nodes)"
             )
 
     @property

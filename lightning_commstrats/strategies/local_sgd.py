@@ -45,8 +45,10 @@ class LocalSGDStrategy(ModelAveragingStrategy):
                 f"local_sgd needs mpi4py and an MPI runtime: `pip install mpi4py mpich` ({MPI4PY_AVAILABLE})"
             )
         import_mpi()  # fails now, with the reason, when mpi4py cannot load an MPI library
-        if kwargs.setdefault("backend", "mpi") != "mpi":
-            raise ValueError(f"local_sgd talks MPI only; backend={kwargs['backend']!r} is not allowed")
+        backend = kwargs.pop("backend", "mpi")
+        if backend not in ("mpi", "auto"):  # "auto" is MPI here: a CLI fills in the base default
+            raise ValueError(f"local_sgd talks MPI only; backend={backend!r} is not allowed")
+        kwargs["backend"] = "mpi"
         super().__init__(
             sync_period=sync_period,
             sync_period_unit="steps",

@@ -77,8 +77,8 @@ class SampledVocabStrategy(OneBitSGDStrategy):
 
     def __init__(
         self,
-        alpha: float = 2000,
-        beta: float = 1000,
+        alpha: int | float = 2000,
+        beta: int | float = 1000,
         vocab_params: list[str] | None = None,
         error_feedback: bool = False,
         word_counts: list[int] | None = None,

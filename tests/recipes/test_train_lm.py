@@ -18,11 +18,20 @@ TINY = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses_and_opens_with_its_command(config, capsys):
     first = config.read_text().splitlines()[0]
-    assert first == f"# python recipes/train_lm.py fit --config recipes/configs/{config.name}"
+    script = "train_moe.py" if config.name.startswith("moe_") else "train_lm.py"
+    assert first == f"# python recipes/{script} fit --config recipes/configs/{config.name}"
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code == 0
     assert "class_path: lightning_commstrats.CommStatsMonitor" in capsys.readouterr().out
+
+
+def test_tiny_moe_fit_logs_routing_metrics():
+    cli = main(["fit", "--config", str(REPO / "recipes" / "configs" / "moe_tiny.yaml"), "--model.balance=swipe"])
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["val/ppl"])
+    assert float(metrics["moe/balance"]) == 1.0 and float(metrics["moe/dropped"]) == 0.0  # SWIPE: exact shares
+    assert float(metrics["moe/aux_loss"]) > 0
 
 
 @pytest.mark.parametrize(
