@@ -7,33 +7,18 @@ Usage: ``comm_worker.py SPEC_JSON OUT_DIR`` with SPEC ``{"backend": "gloo" | "mp
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-
-from lightning_commstrats.comm import create_communicator
+from rank_env import connect, finish
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
-    backend = spec["backend"]
-    if backend == "mpi":
-        from mpi4py import MPI
-
-        rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    else:
-        rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    comm = create_communicator(
-        backend,
-        rank=rank,
-        world_size=world,
-        device=torch.device("cpu"),
-        main_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        main_port=int(os.environ.get("MASTER_PORT", 0)),
-    )
+    comm = connect(spec["backend"])
+    rank, world = comm.rank, comm.world_size
     recorded: dict[str, int] = {}
 
     def charge(name: str, fn):
@@ -98,11 +83,12 @@ def main() -> None:
     comm.all_reduce(t, "sum")
     torch.testing.assert_close(t.float(), torch.full((4,), 1.5 * world))
     comm.barrier()
-
     torch.save(
         {"recorded": recorded, "calls": comm.stats.calls, "by_tag": comm.stats.by_tag, "comm": repr(comm)},
         out / f"rank{rank}.pt",
     )
+    if spec["backend"] != "mpi":
+        finish(comm)
 
 
 if __name__ == "__main__":

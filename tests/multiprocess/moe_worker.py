@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+from rank_env import connect, finish
 
-from lightning_commstrats.comm import create_communicator, destroy_process_group
 from lightning_commstrats.moe import MoELayer
 from lightning_commstrats.strategies.expert_parallel import layout_groups
 
@@ -23,15 +22,8 @@ from lightning_commstrats.strategies.expert_parallel import layout_groups
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
-    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    comm = create_communicator(
-        "gloo",
-        rank=rank,
-        world_size=world,
-        device=torch.device("cpu"),
-        main_address=os.environ["MASTER_ADDR"],
-        main_port=int(os.environ["MASTER_PORT"]),
-    )
+    comm = connect("gloo")
+    rank, world = comm.rank, comm.world_size
     ep_groups, dp_groups = layout_groups(world, spec["dp"], spec["ep"], spec["inner"])
     ep_comm, dp_comm = comm.new_subgroups(ep_groups), comm.new_subgroups(dp_groups)
     d = spec["d"]
@@ -93,8 +85,7 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
-    comm.barrier()  # leave together: a rank exiting while a peer still talks aborts gloo
-    destroy_process_group()
+    finish(comm)
 
 
 if __name__ == "__main__":

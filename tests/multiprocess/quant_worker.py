@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
+from rank_env import connect, finish
 
-from lightning_commstrats.comm import create_communicator
 from lightning_commstrats.compression import ColumnCodec, QuantizedAllReduce
 
 
@@ -69,15 +68,8 @@ class Reference:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out_dir = Path(sys.argv[2])
-    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    comm = create_communicator(
-        "gloo",
-        rank=rank,
-        world_size=world,
-        device=torch.device("cpu"),
-        main_address=os.environ["MASTER_ADDR"],
-        main_port=int(os.environ["MASTER_PORT"]),
-    )
+    comm = connect("gloo")
+    rank, world = comm.rank, comm.world_size
     codec = ColumnCodec(spec["bits"])
     agg = QuantizedAllReduce(codec, comm)
     ref = Reference(ColumnCodec(spec["bits"]), world)
@@ -94,6 +86,7 @@ def main() -> None:
         true_mean = {n: sum(grads_of(r, step, spec["shapes"])[n] for r in range(world)) / world for n in mine}
         results.append({"got": got, "true": true_mean, "bytes": sent})
     torch.save(results, out_dir / f"rank{rank}.pt")
+    finish(comm)
 
 
 if __name__ == "__main__":
