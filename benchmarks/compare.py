@@ -37,6 +37,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from cluster import ClusterUnavailable, EmulatedCluster  # noqa: E402
+from lm_compare import launcher_free_env  # noqa: E402
 
 from lightning_commstrats import cost_model  # noqa: E402
 
@@ -163,7 +164,7 @@ def launch(entry: Entry, args: argparse.Namespace, cluster: EmulatedCluster | No
         *args.extra,
     ]
     strategy = entry.strategy if isinstance(entry.strategy, str) else json.dumps(entry.strategy)
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
+    env = launcher_free_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]), PYTHONUNBUFFERED="1")
     logs = [open(run_dir / f"log{i}.txt", "w") for i in range(n)]
     start = time.perf_counter()
@@ -384,7 +385,7 @@ def scaling(args: argparse.Namespace) -> None:
         for entry in (Entry("ddp", "ddp", "peer"), Entry("allreduce", "allreduce", "ours")):
             run_dir = Path(args.out) / f"scaling-{n}-{entry.label}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            with _maybe_cluster(sub) as (cluster, where):
+            with cluster_or_loopback(sub) as (cluster, where):
                 wall = launch(entry, sub, cluster, run_dir)
             rows.append((n, entry.label, summarize(entry, run_dir, wall, sub), where))
     lines = ["| ranks | run | MB/step/rank (veth tx) | MB/step/rank (comm_stats) | where |", "|---|---|---|---|---|"]
@@ -409,17 +410,26 @@ class _NoCluster:
         pass
 
 
-class _maybe_cluster:
-    def __init__(self, args: argparse.Namespace) -> None:
+class cluster_or_loopback:
+    """The emulated cluster for ``args.ranks`` hosts at ``args.rate``, or loopback (and why)."""
+
+    def __init__(self, args: argparse.Namespace, groups: int = 1, uplink_mbit: float | None = None) -> None:
         self.args = args
+        self.groups = groups
+        self.uplink_mbit = uplink_mbit
         self.cluster: EmulatedCluster | None = None
 
     def __enter__(self) -> tuple[EmulatedCluster | None, str]:
-        if self.args.loopback:
+        if getattr(self.args, "loopback", False):
             return None, "loopback (no rate limit)"
         try:
-            self.cluster = EmulatedCluster(self.args.ranks, self.args.rate)
+            self.cluster = EmulatedCluster(self.args.ranks, self.args.rate, self.groups, self.uplink_mbit)
             self.cluster.create()
+            if self.groups > 1:
+                return self.cluster, (
+                    f"emulated cluster: groups of {self.args.ranks // self.groups} at {self.args.rate:g} Mbit/s,"
+                    f" uplinks at {self.uplink_mbit:g} Mbit/s"
+                )
             return self.cluster, f"emulated cluster, {self.args.rate:g} Mbit/s links"
         except ClusterUnavailable as err:
             print(f"emulated cluster unavailable ({err}); falling back to loopback", flush=True)
@@ -464,7 +474,7 @@ def main() -> None:
     if args.table_only:
         saved = [json.loads(p.read_text()).get("where") for p in out.glob("*/summary.json")]
         todo, where = [], next((w for w in saved if w), "unknown")
-    with _maybe_cluster(args) if todo else _NoCluster(where) as (cluster, where):
+    with cluster_or_loopback(args) if todo else _NoCluster(where) as (cluster, where):
         for entry in todo:
             run_dir = _run_dir(out, entry)
             run_dir.mkdir(parents=True, exist_ok=True)

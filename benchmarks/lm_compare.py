@@ -57,6 +57,11 @@ def strategy_arg(name: str, kwargs: dict[str, Any]) -> str:
     return json.dumps({"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": kwargs})
 
 
+def launcher_free_env() -> dict[str, str]:
+    """This environment without the rank variables of an enclosing launch, so a run starts its own."""
+    return {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
+
+
 def run(label: str, name: str, kwargs: dict[str, Any], args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     run_dir = Path(args.out) / label.replace(":", "_").replace(",", "_").replace("=", "-")
     stats_dir = run_dir / "comm"
@@ -77,7 +82,7 @@ def run(label: str, name: str, kwargs: dict[str, Any], args: argparse.Namespace,
         "--trainer.enable_progress_bar=false",
         *extra,
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env = launcher_free_env()
     print(f"== {label}: {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)

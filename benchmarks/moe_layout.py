@@ -21,8 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
-from cluster import ClusterUnavailable, EmulatedCluster
-from compare import REPO, Entry, launch
+from compare import REPO, Entry, cluster_or_loopback, launch
 
 
 def main() -> None:
@@ -39,13 +38,7 @@ def main() -> None:
     out = Path(args.out)
     seq_len = 35
     rows = []
-    try:
-        cluster = EmulatedCluster(4, args.rate, groups=2, uplink_mbit=args.rate * 3 / 16)
-        cluster.create()
-        where = f"emulated cluster: groups of 2 at {args.rate:g} Mbit/s, uplinks at {args.rate * 3 / 16:g} Mbit/s"
-    except ClusterUnavailable as err:
-        cluster, where = None, f"loopback (no rate limit; emulated cluster unavailable: {err})"
-    try:
+    with cluster_or_loopback(args, groups=2, uplink_mbit=args.rate * 3 / 16) as (cluster, where):
         for inner, name in (("dp", "hierarchical (dp inner)"), ("ep", "symmetric (ep inner)")):
             strategy = {
                 "class_path": "lightning_commstrats.ExpertParallelStrategy",
@@ -73,9 +66,6 @@ def main() -> None:
                     / 1e6,
                 }
             )
-    finally:
-        if cluster is not None:
-            cluster.destroy()
     lines = [
         f"4 ranks (dp 2 x ep 2), {where}; `{Path(args.config).name}`, {args.steps} steps of {args.batch_size}"
         f" x {seq_len} tokens per rank.",

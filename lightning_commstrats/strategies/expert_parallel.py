@@ -192,10 +192,9 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         return {
             **super().rank_state_dict(),
-            "experts": {names[id(p)]: p.detach() for p in self.expert_params()},
+            "experts": {self._name(p): p.detach() for p in self.expert_params()},
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "layout": [self.dp_size, self.ep_size, self.inner],
         }

@@ -194,11 +194,10 @@ class SampledVocabStrategy(OneBitSGDStrategy):
     def _exchange_rows(self, vocab: list[torch.nn.Parameter]) -> None:
         rows = self.select_rows()
         self.last_rows = rows.cpu()
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         grads = [dense_grad(p) for p in vocab]
         if self.error_feedback:
             for p, g in zip(vocab, grads, strict=True):
-                res = self._residuals.get(names[id(p)])
+                res = self._residuals.get(self._name(p))
                 if res is not None:
                     g.add_(res)
         widths = [g[0].numel() for g in grads]
@@ -211,7 +210,7 @@ class SampledVocabStrategy(OneBitSGDStrategy):
             if self.error_feedback:
                 res = g.detach().clone()
                 res[rows] = 0
-                self._residuals[names[id(p)]] = res
+                self._residuals[self._name(p)] = res
             g.zero_()
             g[rows] = new.reshape(-1, *g.shape[1:]).to(g.dtype)
             if unselected.any():
