@@ -10,12 +10,22 @@ baseline's (add ``lightning_commstrats.CommStatsMonitor`` to the callbacks for c
 
 from __future__ import annotations
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_commstrats  # noqa: F401 - registers the strategy names
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
+
+
+class SaveConfigToRunFolder(SaveConfigCallback):
+    """Saves the resolved config beside the logs; a run without a logger has no run folder, and
+    writing ``config.yaml`` into the working directory would litter it, so nothing is saved."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.logger is not None:
+            super().setup(trainer, pl_module, stage)
 
 
 class LMCLI(LightningCLI):
@@ -51,6 +61,7 @@ def main(args: list[str] | None = None) -> LMCLI:
         LMDataModule,
         args=args,
         seed_everything_default=0,
+        save_config_callback=SaveConfigToRunFolder,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": __doc__},
     )
