@@ -6,11 +6,14 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
     import lightning_commstrats
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="allreduce")
+
+and exports the mixed-precision plugin ``LayeredMixedPrecision`` (``plugins=[...]``).
 """
 
 from lightning_commstrats._registry import register_strategies
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
+from lightning_commstrats.precision import LayeredMixedPrecision
 from lightning_commstrats.strategies import (
     STRATEGIES,
     AllReduceStrategy,
@@ -35,6 +38,7 @@ __all__ = [
     "CommStrategy",
     "Communicator",
     "ExpertParallelStrategy",
+    "LayeredMixedPrecision",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
     "OneBitSGDStrategy",

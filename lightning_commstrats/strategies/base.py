@@ -104,6 +104,8 @@ class CommStrategy(ParallelStrategy):
         self._buckets: dict[tuple[Any, ...], list[list[int]]] = {}
         self.samples_per_worker = 0
         self.optimizer_steps = 0
+        self.last_step_skipped = False  # the precision plugin skipped the last step (overflow)
+        self._samples_at_step = 0  # samples_per_worker after the last step that ran
         self._pending_state: dict[str, Any] | None = None
         self._timeout = timeout
         self._start_method = start_method
@@ -235,6 +237,14 @@ class CommStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        plugin = self.precision_plugin
+        if getattr(plugin, "scaler", None) is not None and not hasattr(plugin, "unscale_and_check"):
+            # Lightning's GradScaler unscales after the exchange and skips an overflowing step on
+            # each rank alone: an inf would reach 1-bit residuals and ranks could disagree.
+            raise ValueError(
+                f"{type(self).__name__} cannot use precision={plugin.precision!r} (a GradScaler without"
+                " rank agreement); use plugins=[lightning_commstrats.LayeredMixedPrecision('O1', dtype='fp16')]"
+            )
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -295,7 +305,7 @@ class CommStrategy(ParallelStrategy):
 
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Restore both; raise ``ValueError`` before changing anything when they do not fit this run."""
-        self.samples_per_worker = int(state["samples_per_worker"])
+        self.samples_per_worker = self._samples_at_step = int(state["samples_per_worker"])
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def reset_state(self) -> None:
@@ -355,14 +365,27 @@ class CommStrategy(ParallelStrategy):
         model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        runs = True
+
         def closure_then_exchange() -> Any:
+            nonlocal runs
             result = closure()
-            self.after_backward(optimizer)
+            # A precision plugin that scales the loss unscales here and, with every rank, decides
+            # whether the step runs: before the exchange, so an overflow never reaches a residual.
+            check = getattr(self.precision_plugin, "unscale_and_check", None)
+            runs = check(optimizer, self) if check is not None else True
+            if runs:
+                self.after_backward(optimizer)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
-        self.after_optimizer_step(optimizer)
-        self.optimizer_steps += 1
+        self.last_step_skipped = not runs
+        if runs:
+            self.after_optimizer_step(optimizer)
+            self.optimizer_steps += 1
+            self._samples_at_step = self.samples_per_worker
+        else:  # as if the step's samples had not come: schedules in samples stay where they were
+            self.samples_per_worker = self._samples_at_step
         self.comm_stats.mark_step()
         return output
 

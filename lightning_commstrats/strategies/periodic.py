@@ -120,6 +120,8 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.last_step_skipped:
+            return output
         if self.started:
             if self.since_sync >= self.sync_period:
                 self.synchronize()
