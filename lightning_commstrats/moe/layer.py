@@ -142,7 +142,9 @@ class MoELayer(nn.Module):
             out = self.experts(inputs, counts.tolist())
         else:
             out = self._expert_parallel(inputs, counts)
-        y = torch.zeros_like(tokens).index_add(0, slot_token, out * slot_weight.unsqueeze(1).to(out.dtype))
+        # experts may compute in another dtype than the layer's input (a precision policy): combine in the input's
+        out = out.to(tokens.dtype) * slot_weight.unsqueeze(1).to(tokens.dtype)
+        y = torch.zeros_like(tokens).index_add(0, slot_token, out)
         return y.view(shape)
 
     def _expert_parallel(self, inputs: Tensor, counts: Tensor) -> Tensor:
