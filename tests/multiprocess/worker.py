@@ -11,7 +11,9 @@ the flat parameters after every step), ``ckpt_every`` (save a checkpoint every t
 into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that checkpoint),
 ``val_every`` (validate every that many batches and keep the flat parameters seen by validation),
 ``model_kwargs`` (model arguments; model "lm" is a small LanguageModel on synthetic tokens, and a
-strategy ``word_counts`` of ``"data"`` is replaced by its token counts).
+strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``precision``
+(``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
+that rank at that step) and ``state_trace`` (keep the strategy's state after every step).
 """
 
 from __future__ import annotations
@@ -149,6 +151,46 @@ class Trace(L.Callback):
             self.validated.append(flat(pl_module))
 
 
+class InjectInf(L.Callback):
+    """An inf in the first parameter's gradient on one rank at one optimizer step."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
+
+
+class StateTrace(L.Callback):
+    """The strategy's own state (shared and rank-local) and the loss scale after every step."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        strategy = trainer.strategy
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.states.append(
+            {
+                "state": clone(strategy.state_dict()),
+                "rank": clone(strategy.rank_state_dict()),
+                "scale": scaler.scale if scaler else None,
+                "skipped": strategy.last_step_skipped,
+            }
+        )
+
+
+def clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone(v) for v in value)
+    return value
+
+
 def flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
@@ -168,6 +210,12 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     trace = Trace()
     if sc.get("trace"):
         callbacks.append(trace)
+    states = StateTrace()
+    if sc.get("state_trace"):
+        callbacks.append(states)
+    if sc.get("inject_inf"):
+        callbacks.append(InjectInf(*sc["inject_inf"]))
+    plugins = [lightning_commstrats.LayeredMixedPrecision(**sc["precision"])] if sc.get("precision") else []
     if sc.get("ckpt_every"):
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -193,6 +241,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        plugins=plugins,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
     result: dict[str, Any] = {
@@ -202,6 +251,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "trace": trace.steps,
         "validated": trace.validated,
         "rows": trace.rows,
+        "states": states.states,
     }
     if ours:
         stats = trainer.strategy.comm_stats
