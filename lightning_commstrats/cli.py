@@ -5,7 +5,8 @@ A LightningCLI over :class:`~lightning_commstrats.models.LanguageModel` and
 ``--config recipes/configs/<file>.yaml``, ``--print_config``, dotted overrides such as
 ``--trainer.strategy=allreduce --trainer.devices=2``. Every strategy of the package is available
 by name. After ``fit``, ``validate`` and ``test`` it prints the perplexity next to the unigram
-baseline's (add ``lightning_commstrats.CommStatsMonitor`` to the callbacks for communication figures).
+baseline's (add ``lightning_commstrats.CommStatsMonitor`` to the callbacks for communication figures)
+and, with ``LayeredMixedPrecision`` among the plugins, its preset and the steps it skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import lightning_commstrats  # noqa: F401 - registers the strategy names
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
+from lightning_commstrats.precision import LayeredMixedPrecision
 
 
 class SaveConfigToRunFolder(SaveConfigCallback):
@@ -36,6 +38,10 @@ class LMCLI(LightningCLI):
 
     def after_fit(self) -> None:
         self._report("val/ppl", "valid")
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, LayeredMixedPrecision):
+            skipped = plugin.scaler.skipped_steps if plugin.scaler else 0
+            rank_zero_info(f"[precision] {plugin}: {skipped} steps skipped for overflow")
 
     def after_validate(self) -> None:
         self._report("val/ppl", "valid")

@@ -1,5 +1,6 @@
 """The LM recipe's real CLI on the tiny config, in process (1 rank) and as a 2-rank launch."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_commstrats import LayeredMixedPrecision
 from lightning_commstrats.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +52,21 @@ def test_tiny_fit_then_test_one_rank(overrides):
     assert cli.trainer.global_step == 6
     assert cli.trainer.strategy.comm_stats.steps == 6
     assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size  # linked from the data
+
+
+def test_layered_config_selects_the_plugin_and_the_preset_by_name(caplog):
+    config = str(REPO / "recipes" / "configs" / "transformer_layered.yaml")
+    small = ["--trainer.devices=1", "--trainer.max_steps=3", "--trainer.limit_val_batches=2", "--data.batch_size=4"]
+    small += ["--trainer.val_check_interval=3"]
+    model = ["--model.hidden_dim=16", "--model.ffn_dim=32", "--model.num_heads=2", "--data.max_vocab_size=500"]
+    for preset, masters in (("layered", torch.float32), ("O3", torch.bfloat16)):
+        with caplog.at_level(logging.INFO):
+            cli = main(["fit", "--config", config, *small, *model, f"--trainer.plugins.init_args.preset={preset}"])
+        plugin = cli.trainer.precision_plugin
+        assert isinstance(plugin, LayeredMixedPrecision) and plugin.preset == preset and plugin.half == "bf16"
+        assert {p.dtype for p in cli.model.parameters()} == {masters}
+        assert torch.isfinite(cli.trainer.callback_metrics["val/ppl"])
+        assert f"[precision] LayeredMixedPrecision(preset='{preset}', dtype='bf16'" in caplog.text
 
 
 def test_same_seed_same_losses():
