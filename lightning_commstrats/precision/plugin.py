@@ -43,7 +43,6 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_commstrats.precision.policy import (
@@ -54,6 +53,7 @@ from lightning_commstrats.precision.policy import (
     cast_floats,
     dtype_name,
     preset_rules,
+    remove_policy,
     resolve,
 )
 from lightning_commstrats.precision.scaler import LossScalerState, unscale_
@@ -123,7 +123,6 @@ class LayeredMixedPrecision(Precision):
             else None
         )
         self.precision = _LIGHTNING_NAMES[preset][half]  # type: ignore[assignment]
-        self._handles: list[RemovableHandle] = []
         self._converted: nn.Module | None = None
         self._checked: bool | None = None  # this step's verdict once taken: True = the step runs
         self.last_step_skipped = False
@@ -150,13 +149,12 @@ class LayeredMixedPrecision(Precision):
                 )
         if self._converted is module:  # a second fit/validate on the same model
             return module
+        dtypes = resolve(module, self.default, self.rules) if self.preset in ("layered", "O2") else None
+        remove_policy(module)  # another plugin's, from an earlier Trainer
         if self.preset == "O3":
             module.to(self.compute_dtype)
-        elif self.preset in ("layered", "O2"):
-            dtypes = resolve(module, self.default, self.rules)
-            for handle in self._handles:
-                handle.remove()
-            self._handles = apply_policy(module, dtypes)
+        if dtypes is not None:
+            apply_policy(module, dtypes)
             halves = sum(d != "fp32" for d in dtypes.values())
             log.info("%s: %d of %d modules compute in half", self, halves, len(dtypes))
         self._converted = module

@@ -144,8 +144,10 @@ def apply_policy(model: nn.Module, dtypes: Mapping[str, str]) -> list[RemovableH
     """Make every module of ``model`` compute in ``dtypes[name]`` (from :func:`resolve`).
 
     Hooks go on modules that own parameters and on modules whose dtype differs from their parent's
-    (the boundaries where activations change dtype). Returns the hook handles.
+    (the boundaries where activations change dtype). A policy applied before is removed first.
+    Returns the hook handles.
     """
+    remove_policy(model)
     handles: list[RemovableHandle] = []
     for name, module in model.named_modules():
         dtype = dtypes[name]
@@ -156,4 +158,12 @@ def apply_policy(model: nn.Module, dtypes: Mapping[str, str]) -> list[RemovableH
         cast = _ModuleCast(module, DTYPES[dtype])
         handles.append(module.register_forward_pre_hook(cast.before, with_kwargs=True))
         handles.append(module.register_forward_hook(cast.after, with_kwargs=True, always_call=True))
+    model._commstrats_casts = handles  # type: ignore[assignment]
     return handles
+
+
+def remove_policy(model: nn.Module) -> None:
+    """Undo :func:`apply_policy`: every module computes in its parameters' dtype again."""
+    for handle in getattr(model, "_commstrats_casts", ()):
+        handle.remove()
+    model._commstrats_casts = []  # type: ignore[assignment]

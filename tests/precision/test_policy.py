@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from lightning_commstrats.models import build_model
 from lightning_commstrats.precision import apply_policy, preset_rules, resolve
-from lightning_commstrats.precision.policy import cast_floats, dtype_name
+from lightning_commstrats.precision.policy import cast_floats, dtype_name, remove_policy
 
 
 def transformer(**moe):
@@ -132,3 +132,15 @@ def test_cast_floats_keeps_integers_and_structure():
     out = cast_floats(data, torch.bfloat16)
     assert out["x"][0].dtype == torch.bfloat16 and out["x"][1].dtype == torch.int64
     assert out["y"][0].dtype == torch.bfloat16
+
+
+def test_a_second_policy_replaces_the_first_and_remove_restores_fp32():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    apply_policy(lin, {"": "bf16"})
+    apply_policy(lin, {"": "fp16"})  # e.g. a new Trainer with another plugin on the same model
+    assert len(lin._forward_pre_hooks) == 1 and len(lin._forward_hooks) == 1
+    assert lin(torch.randn(2, 8)).dtype == torch.float16
+    assert isinstance(lin.weight, nn.Parameter) and lin.weight.dtype == torch.float32
+    remove_policy(lin)
+    assert lin(torch.randn(2, 8)).dtype == torch.float32 and not lin._forward_pre_hooks
