@@ -79,12 +79,17 @@ def test_layered_bf16_runs_with_every_strategy():
         "precision": layered, "max_steps": 6,
     }  # fmt: skip
     scenarios["allreduce_fp32"] = {**scenarios["allreduce"], "precision": None}
+    # Lightning's ddp too, with loss scaling: the overflow flag goes through torch.distributed
+    scenarios["ddp"] = {**LM, "strategy": "ddp", "precision": SCALED, "max_steps": 6, "inject_inf": [SKIP, 1]}
     results = run_ranks({"scenarios": scenarios}, 2)
     for name in scenarios:
         r0, r1 = (r[name] for r in results)
         assert all(math.isfinite(x) for x in r0["losses"] + r1["losses"]), name
         assert r0["losses"][-1] < r0["losses"][0], name
-        assert r0["stats"].get("precision/calls", 0) == 0, name  # bf16 without scaling: no agreement needed
+        if name == "ddp":
+            assert r0["precision"]["scaler"]["skipped_steps"] == r1["precision"]["scaler"]["skipped_steps"] == 1
+        else:  # bf16 without scaling: no agreement needed
+            assert r0["stats"].get("precision/calls", 0) == 0, name
         for k, v in r0["params"].items():
             assert v.dtype == torch.float32, (name, k)
             if ".experts." not in k:  # experts are sharded; everything else is replicated

@@ -252,6 +252,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "validated": trace.validated,
         "rows": trace.rows,
         "states": states.states,
+        "precision": trainer.precision_plugin.state_dict(),
     }
     if ours:
         stats = trainer.strategy.comm_stats
