@@ -125,6 +125,7 @@ class LayeredMixedPrecision(Precision):
         self.precision = _LIGHTNING_NAMES[preset][half]  # type: ignore[assignment]
         self._converted: nn.Module | None = None
         self._checked: bool | None = None  # this step's verdict once taken: True = the step runs
+        self._backward_scale: float | None = None  # the scale the current gradients were made with
         self.last_step_skipped = False
 
     def __repr__(self) -> str:
@@ -178,7 +179,12 @@ class LayeredMixedPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         tensor = super().pre_backward(tensor, module)
-        return tensor * self.scaler.scale if self.scaler is not None else tensor
+        if self.scaler is None:
+            return tensor
+        # the gradients are unscaled by the scale they were made with, even if a second optimizer's
+        # step (manual optimization) changes the scale in between
+        self._backward_scale = self.scaler.scale
+        return tensor * self._backward_scale
 
     def unscale_and_check(self, optimizer: Optimizer, strategy: Any) -> bool:
         """Unscale this step's gradients and decide, with every rank, whether the step runs.
@@ -187,13 +193,12 @@ class LayeredMixedPrecision(Precision):
         :meth:`optimizer_step` otherwise; the second call in a step returns the first's verdict.
         Returns False when some rank found an inf or a NaN: the step is skipped everywhere.
         """
+        if self.scaler is None:
+            return True
         if self._checked is not None:
             return self._checked
-        if self.scaler is None:
-            self._checked = True
-            return True
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        overflow = _any_rank(unscale_(grads, self.scaler.scale), strategy)
+        overflow = _any_rank(unscale_(grads, self._backward_scale or self.scaler.scale), strategy)
         self.scaler.update(overflow)
         if overflow:
             log.info("overflow in the gradients: step skipped on every rank, loss scale now %g", self.scaler.scale)

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning_commstrats import LayeredMixedPrecision
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "multiprocess"))
-from worker import TinyLM
+from worker import ManualTwoOptimizers, TinyLM
 
 TRANSFORMER = {"arch": "transformer", "hidden_dim": 16, "num_heads": 2, "num_layers": 2, "ffn_dim": 32}
 MOE = {**TRANSFORMER, "num_experts": 2, "moe_every": 2}
@@ -174,3 +174,34 @@ def test_fp16_pure_half_fails_where_layered_trains():
 def test_lightning_grad_scaler_is_refused_by_package_strategies():
     with pytest.raises(ValueError, match="LayeredMixedPrecision"):
         fit(tiny(), [MixedPrecision("16-mixed", "cpu")])
+
+
+class InjectAtBackward(L.Callback):
+    """An inf in the first layer's gradient at the given backward call (manual optimization)."""
+
+    def __init__(self, call):
+        self.call, self.calls = call, 0
+        self.second_layer = []
+
+    def on_after_backward(self, trainer, pl_module):
+        if self.calls == self.call:
+            pl_module.layer[0].weight.grad.view(-1)[0] = math.inf
+        self.calls += 1
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.second_layer.append(pl_module.layer[2].weight.detach().clone())
+
+
+def test_two_optimizers_one_overflowing_the_other_unscaled_by_the_scale_of_its_backward():
+    runs = {}
+    for name, call in (("clean", -1), ("inject", 2)):
+        L.seed_everything(0, verbose=False)
+        model = ManualTwoOptimizers()
+        callback = InjectAtBackward(call)
+        plugin = LayeredMixedPrecision("O2", dtype="bf16", loss_scaling=True, init_scale=1024.0)
+        fit(model, [plugin], steps=8, callbacks=[callback])  # 4 batches, 2 optimizer steps each
+        runs[name] = (callback.second_layer, plugin.scaler)
+    (clean, _), (inject, scaler) = runs["clean"], runs["inject"]
+    assert scaler.skipped_steps == 1 and scaler.scale == 512.0
+    # the Adam layer stepped normally in the batch where the SGD layer overflowed
+    assert torch.equal(inject[2], clean[2]) and not torch.equal(inject[2], inject[1])
