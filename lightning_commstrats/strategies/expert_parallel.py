@@ -187,6 +187,32 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
             if self.dp_size > 1:
                 self.dp_comm.all_reduce(g, "sum", tag="grad_experts")
             g.div_(self.world_size)
+        self._clip_by_global_norm(params, experts)
+
+    def _clip_by_global_norm(self, params: list[torch.nn.Parameter], experts: set[int]) -> None:
+        """Clip by the norm over the whole model, the same factor on every rank.
+
+        Lightning clips by the norm of the gradients a rank holds. Ranks hold different experts, so
+        that norm, and the factor it would apply to the replicated dense gradients, differs between
+        ranks and the replicas drift apart. Here the norm counts the dense gradients once and every
+        expert once (the squared norms of an expert-parallel group's shards summed, 4 bytes, tag
+        ``"control"``), exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; the
+        clip Lightning runs next then changes nothing (a rank's norm is at most the global one).
+        """
+        trainer = self.lightning_module._trainer
+        max_norm = trainer.gradient_clip_val if trainer is not None else None
+        if not max_norm or (trainer.gradient_clip_algorithm or "norm") != "norm":
+            return
+        dense = [dense_grad(p) for p in params if id(p) not in experts]
+        local = [dense_grad(p) for p in params if id(p) in experts]
+        squares = torch.zeros(2, device=self.root_device)
+        for i, grads in enumerate((dense, local)):
+            if grads:
+                squares[i] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) ** 2
+        expert_square = self.ep_comm.all_reduce(squares[1:].clone(), "sum", tag="control")
+        total = (squares[0] + expert_square[0]).sqrt()
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(dense + local, factor)
 
     # ------------------------------------------------------------------ checkpoints
 

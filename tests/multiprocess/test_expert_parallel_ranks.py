@@ -46,16 +46,26 @@ def test_expert_parallel_training_equals_data_parallel_training_and_resumes():
         "ep": {**moe, "strategy": "expert_parallel", "kwargs": {"ep_size": 2}},
         "ep_straight": {**moe, "strategy": "expert_parallel", "max_steps": 64 + 8, "ckpt_every": 64},
         "ep_resumed": {**moe, "strategy": "expert_parallel", "max_steps": 64 + 8, "resume": ["ep_straight", 64]},
+        # a clip that bites: the norm must be the whole model's, the same on both ranks
+        "ar_clip": {**moe, "strategy": "allreduce", "clip": 0.05},
+        "ep_clip": {**moe, "strategy": "expert_parallel", "kwargs": {"ep_size": 2}, "clip": 0.05},
     }
     results = run_ranks({"scenarios": scenarios}, 2)
     for rank, res in enumerate(results):
-        ar, ep = res["ar"]["params"], res["ep"]["params"]
-        assert ep["net.blocks.1.ffn.experts.w1"].shape[0] == 2  # half of the 4 experts
-        for name, value in ep.items():
-            torch.testing.assert_close(value, _expert_slice(name, ar[name], rank, 2), atol=1e-5, rtol=1e-4)
+        for ar, ep in (
+            (res["ar"]["params"], res["ep"]["params"]),
+            (res["ar_clip"]["params"], res["ep_clip"]["params"]),
+        ):
+            assert ep["net.blocks.1.ffn.experts.w1"].shape[0] == 2  # half of the 4 experts
+            for name, value in ep.items():
+                torch.testing.assert_close(value, _expert_slice(name, ar[name], rank, 2), atol=1e-5, rtol=1e-4)
+        assert any(not torch.allclose(res["ar_clip"]["params"][k], res["ar"]["params"][k]) for k in res["ar"]["params"])
         assert res["ep"]["stats"]["tokens/bytes_sent"] > 0
         for name, value in res["ep_straight"]["params"].items():
             torch.testing.assert_close(res["ep_resumed"]["params"][name], value, atol=1e-6, rtol=0)
+    for name, value in results[0]["ep_clip"]["params"].items():  # dense replicas stay identical
+        if ".experts." not in name:
+            assert torch.equal(value, results[1]["ep_clip"]["params"][name]), name
     # the two ranks hold different experts
     assert not torch.equal(
         results[0]["ep"]["params"]["net.blocks.1.ffn.experts.w1"],
