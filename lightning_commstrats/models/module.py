@@ -43,8 +43,9 @@ def build_model(
 ) -> LanguageModelBase:
     """Build an LM by name; for the Transformer ``hidden_dim`` is ``d_model`` and ``embed_dim`` is unused.
 
-    ``moe`` (``num_experts``, ``moe_every``, ``top_k``, ``capacity_factor``, ``balance``) turns the
-    Transformer's FFNs into mixture-of-experts layers.
+    ``moe`` (``num_experts``, ``moe_every``, ``top_k``, ``capacity_factor``, ``balance``,
+    ``expert_dim``, ``shared_expert_dim``, ``router_init_std``) turns the Transformer's FFNs into
+    mixture-of-experts layers.
     """
     moe = moe or {}
     if moe.get("num_experts", 0) and arch != "transformer":
@@ -97,6 +98,12 @@ class LanguageModel(L.LightningModule):
         balance: ``"aux"`` (dropless, auxiliary loss only), ``"capacity"`` (drop beyond capacity)
             or ``"swipe"`` (every expert gets exactly its share, nothing dropped).
         aux_loss_weight: weight of the load-balancing loss in the training loss.
+        expert_dim: hidden width of every routed expert (default None: ``ffn_dim``). With
+            ``top_k`` experts per token, ``expert_dim = (ffn_dim - shared_expert_dim) / top_k``
+            keeps the active size of the dense FFN (DeepSeekMoE's fine-grained experts).
+        shared_expert_dim: hidden width of a shared expert every token goes through, added to the
+            routed output (default 0: none).
+        router_init_std: standard deviation of the routers' normal initialisation (default 0.02).
     """
 
     def __init__(
@@ -125,6 +132,9 @@ class LanguageModel(L.LightningModule):
         capacity_factor: float = 1.25,
         balance: str = "aux",
         aux_loss_weight: float = 0.01,
+        expert_dim: int | None = None,
+        shared_expert_dim: int = 0,
+        router_init_std: float = 0.02,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -154,6 +164,9 @@ class LanguageModel(L.LightningModule):
                 "top_k": top_k,
                 "capacity_factor": capacity_factor,
                 "balance": balance,
+                "expert_dim": expert_dim,
+                "shared_expert_dim": shared_expert_dim,
+                "router_init_std": router_init_std,
             },
         )
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)

@@ -27,6 +27,9 @@ class TransformerConfig:
     top_k: int = 1
     capacity_factor: float = 1.25
     balance: str = "aux"  # "aux", "capacity" or "swipe"
+    expert_dim: int | None = None  # routed experts' hidden width; None: ffn_dim
+    shared_expert_dim: int = 0  # > 0: a shared expert of this width in every MoE layer
+    router_init_std: float = 0.02
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,7 +65,16 @@ class Block(nn.Module):
         self.attn = declare(CausalSelfAttention(c.d_model, c.num_heads, c.dropout), "attention")
         self.norm2 = declare(nn.LayerNorm(c.d_model), "norm")
         if moe:  # its experts and router declare their own roles
-            self.ffn: nn.Module = MoELayer(c.d_model, c.ffn_dim, c.num_experts, c.top_k, c.balance, c.capacity_factor)
+            self.ffn: nn.Module = MoELayer(
+                c.d_model,
+                c.ffn_dim if c.expert_dim is None else c.expert_dim,
+                c.num_experts,
+                c.top_k,
+                c.balance,
+                c.capacity_factor,
+                c.shared_expert_dim,
+                c.router_init_std,
+            )
         else:
             self.ffn = declare(FeedForward(c.d_model, c.ffn_dim, c.dropout), "ffn")
         self.drop = nn.Dropout(c.dropout)
@@ -84,6 +96,12 @@ class TransformerLM(LanguageModelBase):
             raise ValueError("num_layers and max_seq_len must be >= 1")
         if config.num_experts < 0 or config.moe_every < 1:
             raise ValueError(f"need num_experts >= 0 and moe_every >= 1, got {config.num_experts}, {config.moe_every}")
+        if config.expert_dim is not None and config.expert_dim < 1:
+            raise ValueError(f"expert_dim must be >= 1 (or None for ffn_dim), got {config.expert_dim}")
+        if config.shared_expert_dim < 0:
+            raise ValueError(f"shared_expert_dim must be >= 0, got {config.shared_expert_dim}")
+        if not config.router_init_std > 0:
+            raise ValueError(f"router_init_std must be > 0, got {config.router_init_std}")
         self.config = config
         self.embedding = declare(nn.Embedding(config.vocab_size, config.d_model), "embedding")
         self.position = declare(nn.Embedding(config.max_seq_len, config.d_model), "embedding")
@@ -118,7 +136,9 @@ class TransformerLM(LanguageModelBase):
         return self.output(self.norm(x))
 
 
-def _init(m: nn.Module) -> None:  # the experts initialise themselves the same way
+def _init(m: nn.Module) -> None:  # the experts initialise themselves the same way, routers with their own std
+    if getattr(m, "_commstrats_role", None) == "router":
+        return
     if isinstance(m, (nn.Linear, nn.Embedding)):
         nn.init.normal_(m.weight, std=0.02)
     if isinstance(m, nn.Linear) and m.bias is not None:

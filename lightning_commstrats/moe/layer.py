@@ -2,7 +2,11 @@
 
 Pure PyTorch, no Lightning. :class:`MoELayer` replaces a Transformer block's FFN: a router (run in
 float32) picks experts per token (:mod:`.gating`), the tokens are grouped by expert, every expert
-is a GELU FFN, and the outputs are combined with the gate weights.
+is a GELU FFN, and the outputs are combined with the gate weights. Optionally a shared expert, a
+plain FFN every token goes through, is added to the routed output (DeepSeekMoE, Dai et al. 2024,
+arXiv:2401.06066); with narrow routed experts and ``top_k > 1`` that gives DeepSeekMoE's
+fine-grained experts at the active size of a dense FFN: ``shared_dim + top_k * ffn_dim`` hidden
+units per token.
 
 Expert parallelism: :meth:`MoELayer.shard` keeps only this rank's ``num_experts / ep`` experts and
 attaches the expert-parallel communicator. Tokens then travel to the rank holding their expert and
@@ -69,16 +73,36 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
+class SharedExpert(nn.Module):
+    """The GELU FFN ``d -> f -> d`` that every token goes through, initialised as the experts are."""
+
+    def __init__(self, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, ffn_dim)
+        self.down = nn.Linear(ffn_dim, d_model)
+        for linear in (self.up, self.down):
+            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
 class MoELayer(nn.Module):
     """Top-k routed mixture of ``num_experts`` FFN experts.
 
     Args:
         d_model: token width.
-        ffn_dim: every expert's hidden width.
+        ffn_dim: every routed expert's hidden width.
         num_experts: experts in the layer (over all ranks).
-        top_k: 1 (Switch) or 2 (GShard).
+        top_k: experts per token; 1 is Switch, more is GShard (weights renormalised to sum to 1).
         balance: ``"aux"`` (dropless), ``"capacity"`` (drop over capacity) or ``"swipe"``.
         capacity_factor: slots per expert relative to an even share (``"capacity"`` mode).
+        shared_dim: hidden width of the shared expert (0: none, the default). It is a dense
+            parameter like attention: replicated, never sharded.
+        router_init_std: standard deviation of the router's normal initialisation (default 0.02,
+            as every other Linear of the Transformer). Smaller starts the router closer to
+            uniform; it must stay > 0 so that ties between experts are broken.
 
     After a forward, ``aux_loss`` holds the load-balancing loss and ``routing`` the last
     :class:`~lightning_commstrats.moe.gating.Routing` (for metrics).
@@ -92,8 +116,12 @@ class MoELayer(nn.Module):
         top_k: int = 1,
         balance: str = "aux",
         capacity_factor: float = 1.25,
+        shared_dim: int = 0,
+        router_init_std: float = 0.02,
     ) -> None:
         super().__init__()
+        if ffn_dim < 1:
+            raise ValueError(f"ffn_dim (the routed experts' width) must be >= 1, got {ffn_dim}")
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:
@@ -104,12 +132,21 @@ class MoELayer(nn.Module):
             raise ValueError("balance='swipe' routes top-1: set top_k=1")
         if not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        if shared_dim < 0:
+            raise ValueError(f"shared_dim must be >= 0, got {shared_dim}")
+        if not router_init_std > 0:
+            raise ValueError(
+                f"router_init_std must be > 0 (ties between experts are broken at random), got {router_init_std}"
+            )
         self.num_experts = num_experts
         self.top_k = top_k
         self.balance = balance
         self.capacity_factor = capacity_factor
         self.router = declare(nn.Linear(d_model, num_experts, bias=False), "router")
+        nn.init.normal_(self.router.weight, std=router_init_std)
         self.experts = declare(Experts(num_experts, d_model, ffn_dim), "expert")
+        self.shared = declare(SharedExpert(d_model, shared_dim), "ffn") if shared_dim else None
+        self.active_dim = shared_dim + top_k * ffn_dim  # hidden units one token goes through
         self.comm: Communicator | None = None
         self.aux_loss = torch.zeros(())
         self.routing: Routing | None = None
@@ -145,6 +182,8 @@ class MoELayer(nn.Module):
         # experts may compute in another dtype than the layer's input (a precision policy): combine in the input's
         out = out.to(tokens.dtype) * slot_weight.unsqueeze(1).to(tokens.dtype)
         y = torch.zeros_like(tokens).index_add(0, slot_token, out)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
         return y.view(shape)
 
     def _expert_parallel(self, inputs: Tensor, counts: Tensor) -> Tensor:

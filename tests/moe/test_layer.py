@@ -1,0 +1,113 @@
+"""The MoE layer's options in one process: shared expert, fine-grained experts, router initialisation."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_commstrats.models import LanguageModel
+from lightning_commstrats.models.transformer import FeedForward
+from lightning_commstrats.moe import MoELayer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_shared_expert_is_a_dense_ffn_of_its_width_when_the_routed_experts_are_zero():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, num_experts=4, top_k=2, shared_dim=16)
+    with torch.no_grad():
+        for p in layer.experts.parameters():
+            p.zero_()
+    dense = FeedForward(8, 16, dropout=0.0)
+    dense.load_state_dict(
+        {
+            "up.weight": layer.shared.up.weight,
+            "up.bias": layer.shared.up.bias,
+            "down.weight": layer.shared.down.weight,
+            "down.bias": layer.shared.down.bias,
+        }
+    )
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(layer(x), dense(x))
+
+
+def test_shared_expert_adds_to_the_routed_output():
+    torch.manual_seed(0)
+    with_shared = MoELayer(8, 4, num_experts=4, top_k=2, shared_dim=16)
+    routed_only = MoELayer(8, 4, num_experts=4, top_k=2)
+    routed_only.load_state_dict({k: v for k, v in with_shared.state_dict().items() if not k.startswith("shared.")})
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(with_shared(x), routed_only(x) + with_shared.shared(x))
+
+
+@pytest.mark.parametrize(
+    ("experts", "top_k", "expert_dim", "shared"),
+    [(4, 1, None, 0), (8, 2, 32, 0), (4, 1, 32, 32), (8, 2, 16, 32)],
+)
+def test_every_token_goes_through_as_many_hidden_units_as_the_dense_ffn(experts, top_k, expert_dim, shared):
+    """Active size: shared width + top_k x routed width = ffn_dim = 64 in every configuration."""
+    model = LanguageModel(
+        arch="transformer", vocab_size=50, hidden_dim=16, num_layers=2, ffn_dim=64, max_seq_len=8,
+        num_experts=experts, top_k=top_k, expert_dim=expert_dim, shared_expert_dim=shared,
+    )  # fmt: skip
+    layers = model.net.moe_layers()
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer.active_dim == 64
+        assert layer.experts.w1.shape == (experts, 16, expert_dim or 64)
+        assert (layer.shared is None) == (shared == 0)
+    model(torch.randint(0, 50, (3, 8)))
+    routing = layers[0].routing
+    # every token fills top_k slots (dropless), each slot runs one routed expert
+    assert int(routing.kept.sum()) == 3 * 8 * top_k
+
+
+def test_router_init_std_survives_the_transformer_initialisation():
+    torch.manual_seed(0)
+    default = LanguageModel(arch="transformer", hidden_dim=64, ffn_dim=64, num_experts=8, max_seq_len=8)
+    small = LanguageModel(
+        arch="transformer", hidden_dim=64, ffn_dim=64, num_experts=8, max_seq_len=8, router_init_std=1e-3
+    )
+    for layer in default.net.moe_layers():
+        assert layer.router.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    for layer in small.net.moe_layers():
+        assert layer.router.weight.std().item() == pytest.approx(1e-3, rel=0.1)
+    # the standalone layer draws its router the same way
+    assert MoELayer(64, 16, 8, router_init_std=0.5).router.weight.std().item() == pytest.approx(0.5, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"expert_dim": 0}, "expert_dim must be >= 1"),
+        ({"shared_expert_dim": -1}, "shared_expert_dim must be >= 0"),
+        ({"router_init_std": 0.0}, "router_init_std must be > 0"),
+    ],
+)
+def test_bad_moe_model_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LanguageModel(arch="transformer", hidden_dim=16, ffn_dim=32, num_experts=4, max_seq_len=8, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ffn_dim": 0}, "ffn_dim .* must be >= 1"),
+        ({"shared_dim": -2}, "shared_dim must be >= 0"),
+        ({"router_init_std": -1.0}, "router_init_std must be > 0"),
+    ],
+)
+def test_bad_layer_options(kwargs, message):
+    args = {"d_model": 8, "ffn_dim": 16, "num_experts": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        MoELayer(**args)
+
+
+def test_moe_shared_config_has_the_active_size_of_its_dense_twin():
+    """moe_shared.yaml is compared with the same config at num_experts=0: equal hidden units per token."""
+    config = yaml.safe_load((REPO / "recipes" / "configs" / "moe_shared.yaml").read_text())["model"]
+    model = LanguageModel(**{**config, "vocab_size": 50, "max_seq_len": 8})
+    layers = model.net.moe_layers()
+    assert len(layers) == config["num_layers"] and layers[0].shared is not None
+    assert all(layer.active_dim == config["ffn_dim"] for layer in layers)
