@@ -148,6 +148,9 @@ class MoELayer(nn.Module):
         self.shared = declare(SharedExpert(d_model, shared_dim), "ffn") if shared_dim else None
         self.active_dim = shared_dim + top_k * ffn_dim  # hidden units one token goes through
         self.comm: Communicator | None = None
+        # the dtype tokens travel in to the experts and back (None: as they come); a precision
+        # policy sets it to the experts' compute dtype, which halves the all-to-all bytes in half
+        self.dispatch_dtype: torch.dtype | None = None
         self.aux_loss = torch.zeros(())
         self.routing: Routing | None = None
 
@@ -174,6 +177,8 @@ class MoELayer(nn.Module):
         order = torch.argsort(slot_expert, stable=True)
         slot_expert, slot_token, slot_weight = slot_expert[order], slot_token[order], slot_weight[order]
         inputs = tokens[slot_token]
+        if self.dispatch_dtype is not None:
+            inputs = inputs.to(self.dispatch_dtype)
         counts = torch.bincount(slot_expert, minlength=self.num_experts)
         if self.comm is None or self.comm.world_size == 1:
             out = self.experts(inputs, counts.tolist())

@@ -14,7 +14,8 @@ the master weights the optimizer updates): a module whose dtype is half casts it
 and its own parameters to half for the length of its forward (a differentiable cast, so gradients
 reach the float32 parameters in float32), and a float32 module casts half inputs back up. This is
 numerically what a half model copy refreshed from float32 masters after every step computes (APEX
-``O2``), without keeping that copy.
+``O2``), without keeping that copy. An MoE layer whose experts compute in half also sends its tokens
+to them in half (``MoELayer.dispatch_dtype``): the all-to-all carries half the bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_commstrats.moe.layer import MoELayer
 from lightning_commstrats.roles import ROLES
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -159,6 +161,9 @@ def apply_policy(model: nn.Module, dtypes: Mapping[str, str]) -> list[RemovableH
         handles.append(module.register_forward_pre_hook(cast.before, with_kwargs=True))
         handles.append(module.register_forward_hook(cast.after, with_kwargs=True, always_call=True))
     model._commstrats_casts = handles  # type: ignore[assignment]
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):  # tokens travel to the experts in the dtype they compute in
+            module.dispatch_dtype = DTYPES[dtypes[f"{name}.experts" if name else "experts"]]
     return handles
 
 
@@ -167,3 +172,6 @@ def remove_policy(model: nn.Module) -> None:
     for handle in getattr(model, "_commstrats_casts", ()):
         handle.remove()
     model._commstrats_casts = []  # type: ignore[assignment]
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.dispatch_dtype = None

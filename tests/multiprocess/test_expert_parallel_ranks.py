@@ -11,24 +11,27 @@ BASE = {"experts": 4, "tokens": 24, "d": 8, "f": 16}
 
 
 @pytest.mark.parametrize(
-    ("world", "dp", "ep", "inner", "top_k", "balance"),
+    ("world", "dp", "ep", "inner", "top_k", "balance", "policy"),
     [
-        (2, 1, 2, "dp", 1, "aux"),
-        (2, 1, 2, "dp", 2, "capacity"),
-        (4, 1, 4, "dp", 1, "swipe"),
-        (4, 2, 2, "dp", 2, "aux"),
-        (4, 2, 2, "ep", 1, "capacity"),
+        (2, 1, 2, "dp", 1, "aux", None),
+        (2, 1, 2, "dp", 2, "capacity", None),
+        (4, 1, 4, "dp", 1, "swipe", None),
+        (4, 2, 2, "dp", 2, "aux", None),
+        (4, 2, 2, "ep", 1, "capacity", None),
+        (2, 1, 2, "dp", 2, "aux", "bf16"),  # layered precision: experts and the all-to-all in bf16
     ],
 )
-def test_sharded_forward_and_backward_equal_the_single_process_layer(world, dp, ep, inner, top_k, balance):
-    spec = {**BASE, "dp": dp, "ep": ep, "inner": inner, "top_k": top_k, "balance": balance}
+def test_sharded_forward_and_backward_equal_the_single_process_layer(world, dp, ep, inner, top_k, balance, policy):
+    spec = {**BASE, "dp": dp, "ep": ep, "inner": inner, "top_k": top_k, "balance": balance, "policy": policy}
     results = run_ranks(spec, world, script=MOE_WORKER)
     for res in results:
-        # all-to-all bytes: the rows that left for other ranks, out and back, x hidden x 4 bytes
+        # all-to-all bytes: the rows that left for other ranks, out and back, x hidden x element bytes
         # (the return trip sends back exactly what came in from others: summed over ranks they match)
         assert res["backward_bytes"] == res["forward_bytes"]
     total_forward = sum(r["forward_bytes"] for r in results)
-    assert total_forward == 2 * sum(r["sent_rows"] for r in results) * BASE["d"] * 4
+    element_bytes = 2 if policy else 4
+    assert all(r["element_bytes"] == element_bytes for r in results)
+    assert total_forward == 2 * sum(r["sent_rows"] for r in results) * BASE["d"] * element_bytes
     assert sorted({(r["first"], r["count"]) for r in results}) == [(i * 4 // ep, 4 // ep) for i in range(ep)]
     if balance == "swipe":
         for r in results:

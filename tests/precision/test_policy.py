@@ -79,6 +79,7 @@ def test_layered_forward_computes_in_half_and_keeps_fp32_masters():
     assert seen["blocks.0.norm2"] == (fp32, fp32, fp32) and seen["norm"] == (fp32, fp32, fp32)
     assert seen["embedding"][1:] == (fp32, fp32) and seen["output"] == (fp32, fp32, fp32)
     assert logits.dtype == fp32
+    assert model.blocks[1].ffn.dispatch_dtype == bf16  # tokens travel to the experts in bf16
     logits.logsumexp(-1).mean().backward()
     for name, p in model.named_parameters():  # the optimizer sees float32 parameters and gradients
         assert isinstance(p, nn.Parameter) and p.dtype == fp32 and p.grad.dtype == fp32, name
@@ -144,3 +145,11 @@ def test_a_second_policy_replaces_the_first_and_remove_restores_fp32():
     assert isinstance(lin.weight, nn.Parameter) and lin.weight.dtype == torch.float32
     remove_policy(lin)
     assert lin(torch.randn(2, 8)).dtype == torch.float32 and not lin._forward_pre_hooks
+
+
+def test_removing_the_policy_sends_moe_tokens_as_they_come_again():
+    model = transformer(num_experts=2)
+    apply_policy(model, resolve(model, *preset_rules("O2", "fp16")))
+    assert {m.ffn.dispatch_dtype for m in model.blocks} == {torch.float16}
+    remove_policy(model)
+    assert {m.ffn.dispatch_dtype for m in model.blocks} == {None}
