@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 
 import lightning_commstrats
 from lightning_commstrats import CommStatsMonitor
+from lightning_commstrats.comm import destroy_process_group
 from lightning_commstrats.data import StreamWindows
 from lightning_commstrats.models import LanguageModel
 
@@ -272,6 +273,9 @@ def main() -> None:
     for name, scenario in spec["scenarios"].items():
         rank, results[name] = run_scenario(name, scenario, out)
     torch.save(results, out / f"rank{rank}.pt")
+    # gloo's threads torn down by interpreter exit can abort the process ("terminate called
+    # without an active exception", seen once in many runs); take the group down first
+    destroy_process_group()
 
 
 if __name__ == "__main__":
