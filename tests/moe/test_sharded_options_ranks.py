@@ -1,14 +1,12 @@
 """Expert parallelism with a shared expert and fine-grained experts, on real ranks, against the
 unsharded layer in one process."""
 
-from pathlib import Path
-
 import pytest
-from harness import run_ranks
+from harness import WORKER, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = Path(__file__).parent / "sharded_options_worker.py"
+MOE_WORKER = WORKER.parent / "moe_worker.py"
 
 
 @pytest.mark.parametrize(
@@ -21,15 +19,10 @@ WORKER = Path(__file__).parent / "sharded_options_worker.py"
 )
 def test_sharded_layer_with_options_equals_the_single_process_layer(world, experts, top_k, expert_dim, shared):
     spec = {
-        "experts": experts,
-        "top_k": top_k,
-        "expert_dim": expert_dim,
-        "shared": shared,
-        "router_init_std": 1e-3,
-        "tokens": 24,
-        "d": 8,
-    }
-    results = run_ranks(spec, world, script=WORKER)
+        "dp": 1, "ep": world, "inner": "dp", "balance": "aux", "experts": experts, "top_k": top_k,
+        "f": expert_dim, "shared": shared, "router_init_std": 1e-3, "tokens": 24, "d": 8,
+    }  # fmt: skip
+    results = run_ranks(spec, world, script=MOE_WORKER)
     per_rank = experts // world
     assert sorted((r["first"], r["count"]) for r in results) == [(i * per_rank, per_rank) for i in range(world)]
     for r in results:

@@ -2,8 +2,9 @@
 unsharded in one process, on every rank's tokens.
 
 Usage: ``moe_worker.py SPEC_JSON OUT_DIR``; SPEC: ``dp``, ``ep``, ``inner``, ``experts``, ``top_k``,
-``balance``, ``tokens``, ``d``, ``f``, ``policy`` (optional: a half dtype; both layers then run the
-layered precision policy, experts and the all-to-all in that dtype).
+``balance``, ``tokens``, ``d``, ``f`` (routed experts' width); optional ``shared`` (shared expert's
+width), ``router_init_std``, ``policy`` (a half dtype: both layers then run the layered precision
+policy, experts and the all-to-all in that dtype).
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ def main() -> None:
     ep_comm, dp_comm = comm.new_subgroups(ep_groups), comm.new_subgroups(dp_groups)
     d = spec["d"]
     torch.manual_seed(0)
-    reference = MoELayer(d, spec["f"], spec["experts"], spec["top_k"], spec["balance"], capacity_factor=1.0)
+    reference = MoELayer(
+        d,
+        spec["f"],
+        spec["experts"],
+        spec["top_k"],
+        spec["balance"],
+        capacity_factor=1.0,
+        shared_dim=spec.get("shared", 0),
+        router_init_std=spec.get("router_init_std", 0.02),
+    )
     sharded = copy.deepcopy(reference)
     sharded.shard(ep_comm)
     tol = {"atol": 1e-5, "rtol": 1e-5}
@@ -67,9 +77,11 @@ def main() -> None:
         y_ref = reference(data(rank)[0])
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(x.grad, ref_inputs[rank].grad, **tol)
-    # router gradients: summed over all ranks; expert gradients: summed over each expert's replicas
-    router_grad = comm.all_reduce(sharded.router.weight.grad.clone(), "sum")
-    torch.testing.assert_close(router_grad, reference.router.weight.grad, **tol)
+    # dense gradients (router, shared expert): summed over all ranks; experts: over each expert's replicas
+    dense = {n: p for n, p in sharded.named_parameters() if not n.startswith("experts.")}
+    ref_params = dict(reference.named_parameters())
+    for name, p in dense.items():
+        torch.testing.assert_close(comm.all_reduce(p.grad.clone(), "sum"), ref_params[name].grad, **tol)
     first, count = sharded.experts.first, sharded.experts.count
     for name in ("w1", "b1", "w2", "b2"):
         grad = dp_comm.all_reduce(getattr(sharded.experts, name).grad.clone(), "sum")
@@ -86,6 +98,8 @@ def main() -> None:
             "load": routing.load.tolist(),
             "dropped": routing.dropped,
             "element_bytes": torch.empty((), dtype=sharded.dispatch_dtype or torch.float32).element_size(),
+            "dense": sorted(dense),
+            "expert_dim": sharded.experts.w1.shape[-1],
             "first": first,
             "count": count,
         },

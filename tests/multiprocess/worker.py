@@ -274,7 +274,9 @@ def main() -> None:
         rank, results[name] = run_scenario(name, scenario, out)
     torch.save(results, out / f"rank{rank}.pt")
     # gloo's threads torn down by interpreter exit can abort the process ("terminate called
-    # without an active exception", seen once in many runs); take the group down first
+    # without an active exception", seen once in many runs): leave together, group taken down
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     destroy_process_group()
 
 
