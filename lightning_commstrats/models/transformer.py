@@ -122,8 +122,7 @@ class TransformerLM(LanguageModelBase):
     @property
     def aux_loss(self) -> Tensor:
         """The MoE layers' load-balancing losses of the last forward, summed (0 for a dense model)."""
-        layers = self.moe_layers()
-        return sum((m.aux_loss for m in layers), torch.zeros(())) if layers else torch.zeros(())
+        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
 
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]

@@ -149,7 +149,7 @@ class MoELayer(nn.Module):
         self.active_dim = shared_dim + top_k * ffn_dim  # hidden units one token goes through
         self.comm: Communicator | None = None
         # the dtype tokens travel in to the experts and back (None: as they come); a precision
-        # policy sets it to the experts' compute dtype, which halves the all-to-all bytes in half
+        # policy sets it to the experts' compute dtype: half experts, half the all-to-all bytes
         self.dispatch_dtype: torch.dtype | None = None
         self.aux_loss = torch.zeros(())
         self.routing: Routing | None = None

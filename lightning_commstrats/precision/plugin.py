@@ -133,7 +133,6 @@ class LayeredMixedPrecision(Precision):
         self._converted: nn.Module | None = None
         self._checked: bool | None = None  # this step's verdict once taken: True = the step runs
         self._backward_scale: float | None = None  # the scale the current gradients were made with
-        self.last_step_skipped = False
 
     def __repr__(self) -> str:
         scaling = f", loss_scale={self.scaler.scale:g}" if self.scaler else ""
@@ -221,7 +220,6 @@ class LayeredMixedPrecision(Precision):
         **kwargs: Any,
     ) -> Any:
         if self.scaler is None:
-            self.last_step_skipped = False
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise TypeError("loss scaling needs one closure call per step; LBFGS calls it many times")
@@ -232,7 +230,6 @@ class LayeredMixedPrecision(Precision):
             runs = self.unscale_and_check(optimizer, model.trainer.strategy)
         finally:
             self._checked = None
-        self.last_step_skipped = not runs
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: Lightning skips the step
         if not runs:

@@ -179,17 +179,19 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
             return
         params = trainable_params(optimizer)
         experts = {id(p) for p in self.expert_params()}
-        self.exchange_gradients([p for p in params if id(p) not in experts])
+        dense = [p for p in params if id(p) not in experts]
+        self.exchange_gradients(dense)
         # An owner's expert gradient already sums the contributions of its whole expert-parallel
         # group (backward brought them through the all-to-all); summing over the replicas and
         # dividing by the world size gives the data-parallel average, as for dense parameters.
-        for g in (dense_grad(p) for p in params if id(p) in experts):
+        expert_grads = [dense_grad(p) for p in params if id(p) in experts]
+        for g in expert_grads:
             if self.dp_size > 1:
                 self.dp_comm.all_reduce(g, "sum", tag="grad_experts")
             g.div_(self.world_size)
-        self._clip_by_global_norm(params, experts)
+        self._clip_by_global_norm([dense_grad(p) for p in dense], expert_grads)
 
-    def _clip_by_global_norm(self, params: list[torch.nn.Parameter], experts: set[int]) -> None:
+    def _clip_by_global_norm(self, dense: list[torch.Tensor], local: list[torch.Tensor]) -> None:
         """Clip by the norm over the whole model, the same factor on every rank.
 
         Lightning clips by the norm of the gradients a rank holds. Ranks hold different experts, so
@@ -203,16 +205,15 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
         max_norm = trainer.gradient_clip_val if trainer is not None else None
         if not max_norm or (trainer.gradient_clip_algorithm or "norm") != "norm":
             return
-        dense = [dense_grad(p) for p in params if id(p) not in experts]
-        local = [dense_grad(p) for p in params if id(p) in experts]
-        squares = torch.zeros(2, device=self.root_device)
-        for i, grads in enumerate((dense, local)):
-            if grads:
-                squares[i] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) ** 2
-        expert_square = self.ep_comm.all_reduce(squares[1:].clone(), "sum", tag="control")
-        total = (squares[0] + expert_square[0]).sqrt()
+        expert_square = self.ep_comm.all_reduce(self._squared_norm(local).reshape(1), "sum", tag="control")
+        total = (self._squared_norm(dense) + expert_square[0]).sqrt()
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(dense + local, factor)
+
+    def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=self.root_device)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) ** 2
 
     # ------------------------------------------------------------------ checkpoints
 

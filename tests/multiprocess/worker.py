@@ -26,6 +26,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -183,13 +184,7 @@ class StateTrace(L.Callback):
 
 
 def clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(clone(v) for v in value)
-    return value
+    return apply_to_collection(value, torch.Tensor, lambda t: t.detach().clone())
 
 
 def flat(module: torch.nn.Module) -> torch.Tensor:

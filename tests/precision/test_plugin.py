@@ -12,7 +12,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning_commstrats import LayeredMixedPrecision
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "multiprocess"))
-from worker import ManualTwoOptimizers, TinyLM
+from worker import InjectInf, ManualTwoOptimizers, TinyLM
 
 TRANSFORMER = {"arch": "transformer", "hidden_dim": 16, "num_heads": 2, "num_layers": 2, "ffn_dim": 32}
 MOE = {**TRANSFORMER, "num_experts": 2, "moe_every": 2}
@@ -34,16 +34,12 @@ def tiny(seed=0, **kwargs):
     return TinyLM(**{**MOE, "dropout": 0.0, "optimizer": "adam", "lr": 0.01, **kwargs})
 
 
-class Inject(L.Callback):
-    """Puts an inf into one gradient at the given optimizer steps; keeps the weights after every step."""
+class Inject(InjectInf):
+    """An inf in one gradient at one optimizer step; keeps the weights and Adam state after every step."""
 
-    def __init__(self, steps):
-        self.steps = set(steps)
+    def __init__(self, step):
+        super().__init__(step, rank=0)
         self.weights, self.adam = [], []
-
-    def on_after_backward(self, trainer, pl_module):
-        if trainer.global_step in self.steps:
-            next(pl_module.parameters()).grad.view(-1)[0] = math.inf
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         self.weights.append({k: v.clone() for k, v in pl_module.state_dict().items()})
@@ -120,7 +116,7 @@ def test_each_preset_runs_modules_in_its_dtypes(preset):
 
 def test_overflow_skips_the_step_halves_the_scale_and_training_goes_on():
     model = tiny()
-    inject = Inject(steps=[2])
+    inject = Inject(step=2)
     plugin = LayeredMixedPrecision("layered", dtype="bf16", loss_scaling=True, init_scale=1024.0)
     trainer = fit(model, [plugin], steps=5, callbacks=[inject])
     w, adam = inject.weights, inject.adam
@@ -148,7 +144,7 @@ def test_scaler_state_is_saved_and_restored(tmp_path):
     model = tiny()
     plugin = LayeredMixedPrecision(dtype="bf16", loss_scaling=True, init_scale=256.0, growth_interval=2)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="last", every_n_train_steps=5)
-    fit(model, [plugin], steps=5, callbacks=[ckpt, Inject(steps=[1])], enable_checkpointing=True)
+    fit(model, [plugin], steps=5, callbacks=[ckpt, Inject(step=1)], enable_checkpointing=True)
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["LayeredMixedPrecision"]
     assert saved["scaler"] == plugin.scaler.state_dict()
     assert saved["scaler"]["skipped_steps"] == 1 and saved["scaler"]["scale"] == 256.0  # halved, grown back once
