@@ -22,9 +22,14 @@ class LossScalerState:
     Args:
         init_scale: the first scale (default ``2**16``). Too high costs a few skipped steps at the
             start while it backs off; too low loses small gradients to fp16 underflow until it grows.
-        growth_factor: multiplier after ``growth_interval`` clean steps (default 2, > 1).
-        backoff_factor: multiplier after an overflow (default 0.5, in (0, 1)).
+        growth_factor: multiplier after ``growth_interval`` clean steps (default 2, > 1). Powers of
+            two keep scaling exact in binary floating point; larger factors overshoot into overflow.
+        backoff_factor: multiplier after an overflow (default 0.5, in (0, 1)). Smaller recovers
+            from a burst of large gradients in fewer skipped steps but leaves the scale lower.
         growth_interval: clean optimizer steps in a row before growing (default 2000, >= 1).
+            Short intervals probe upwards often and skip a step each time the probe overflows;
+            long ones leave the scale low for long after a backoff. If ``skipped_steps`` grows by
+            more than about one per interval, lengthen it.
     """
 
     def __init__(
