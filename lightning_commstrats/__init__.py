@@ -19,11 +19,14 @@ from lightning_commstrats.strategies import (
     AllReduceStrategy,
     BMUFStrategy,
     CommStrategy,
+    DiLoCoStrategy,
     ExpertParallelStrategy,
     LocalSGDStrategy,
     ModelAveragingStrategy,
     OneBitSGDStrategy,
+    PeriodicSyncStrategy,
     SampledVocabStrategy,
+    StreamingDiLoCoStrategy,
 )
 
 __version__ = "0.1.0"
@@ -37,12 +40,15 @@ __all__ = [
     "CommStatsMonitor",
     "CommStrategy",
     "Communicator",
+    "DiLoCoStrategy",
     "ExpertParallelStrategy",
     "LayeredMixedPrecision",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
     "OneBitSGDStrategy",
+    "PeriodicSyncStrategy",
     "SampledVocabStrategy",
+    "StreamingDiLoCoStrategy",
     "register_strategies",
 ]
 

@@ -196,6 +196,20 @@ class Communicator(ABC):
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
         raise NotImplementedError(f"{type(self).__name__} cannot make subgroups")
 
+    def duplicate(self) -> Communicator:
+        """A communicator over the same ranks on a channel of its own, charging the same statistics.
+
+        Collectives on it may run in another thread while this one is used (a background exchange
+        never interleaves with the main thread's collectives). Every rank must call this, in the
+        same order.
+        """
+        if self.world_size == 1:
+            return self
+        return self._duplicate()
+
+    def _duplicate(self) -> Communicator:
+        raise NotImplementedError(f"{type(self).__name__} cannot make a second channel")
+
     # ------------------------------------------------------------------ backend hooks
 
     @abstractmethod

@@ -57,6 +57,9 @@ class MPICommunicator(Communicator):
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
         return MPICommunicator(self.comm.Split(color=mine, key=self.rank), stats=self.stats)
 
+    def _duplicate(self) -> Communicator:
+        return MPICommunicator(self.comm.Dup(), stats=self.stats)
+
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
         with _host(tensor, reduce=True) as buf:
             self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._ops[op])

@@ -7,6 +7,7 @@ closes a per-step delta (:attr:`CommStats.last_step`), in the spirit of CNTK's `
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, fields
 
@@ -87,6 +88,7 @@ class CommStats:
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._total = CommCounters()
         self._by_tag: dict[str, CommCounters] = {}
         self.steps = 0
@@ -96,8 +98,9 @@ class CommStats:
 
     def record(self, tag: str, nbytes: int, seconds: float) -> None:
         """Charge one collective of ``nbytes`` sent bytes and ``seconds`` of waiting to ``tag``."""
-        self._total.add(nbytes, seconds)
-        self._by_tag.setdefault(tag, CommCounters()).add(nbytes, seconds)
+        with self._lock:  # a background exchange records from its own thread
+            self._total.add(nbytes, seconds)
+            self._by_tag.setdefault(tag, CommCounters()).add(nbytes, seconds)
 
     @property
     def bytes_sent(self) -> int:
@@ -121,7 +124,8 @@ class CommStats:
 
     @property
     def by_tag(self) -> dict[str, CommCounters]:
-        return {tag: c.copy() for tag, c in self._by_tag.items()}
+        with self._lock:
+            return {tag: c.copy() for tag, c in self._by_tag.items()}
 
     def start_clock(self) -> None:
         """Restart the wall clock (at the start of training) without touching the counters."""

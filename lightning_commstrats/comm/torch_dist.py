@@ -41,6 +41,10 @@ class TorchCommunicator(Communicator):
                 made = group
         return TorchCommunicator(made, stats=self.stats)
 
+    def _duplicate(self) -> Communicator:
+        ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
+        return TorchCommunicator(dist.new_group(ranks), stats=self.stats)
+
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
         dist.all_reduce(tensor, op=_OPS[op], group=self.group)
 

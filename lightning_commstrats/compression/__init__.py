@@ -1,14 +1,19 @@
-"""Pure tensor code: column quantizers with bit packing, the two-stage quantized all-reduce, row selection."""
+"""Pure tensor code: column quantizers with bit packing, the two-stage quantized all-reduce, the exchange
+component over them, row selection."""
 
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
+from lightning_commstrats.compression.exchange import EXCHANGE_BITS, BucketedAllReduce, TensorExchange
 from lightning_commstrats.compression.quantizers import CODEC_BITS, ColumnCodec, pack_bits, packed_bytes, unpack_bits
 from lightning_commstrats.compression.rows import batch_token_ids, most_frequent, random_rows, resolve_count, union
 
 __all__ = [
     "CODEC_BITS",
+    "EXCHANGE_BITS",
+    "BucketedAllReduce",
     "ColumnCodec",
     "MatrixLayout",
     "QuantizedAllReduce",
+    "TensorExchange",
     "batch_token_ids",
     "most_frequent",
     "pack_bits",

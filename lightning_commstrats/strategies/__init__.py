@@ -3,11 +3,13 @@
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy
 from lightning_commstrats.strategies.base import CommStrategy
 from lightning_commstrats.strategies.bmuf import BMUFStrategy
+from lightning_commstrats.strategies.diloco import DiLoCoStrategy
 from lightning_commstrats.strategies.expert_parallel import ExpertParallelStrategy
 from lightning_commstrats.strategies.local_sgd import LocalSGDStrategy
 from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
 from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, PeriodicSyncStrategy
 from lightning_commstrats.strategies.sampled_vocab import SampledVocabStrategy
+from lightning_commstrats.strategies.streaming_diloco import StreamingDiLoCoStrategy
 
 STRATEGIES: tuple[type[CommStrategy], ...] = (
     AllReduceStrategy,
@@ -15,6 +17,8 @@ STRATEGIES: tuple[type[CommStrategy], ...] = (
     ModelAveragingStrategy,
     BMUFStrategy,
     LocalSGDStrategy,
+    DiLoCoStrategy,
+    StreamingDiLoCoStrategy,
     SampledVocabStrategy,
     ExpertParallelStrategy,
 )
@@ -24,10 +28,12 @@ __all__ = [
     "AllReduceStrategy",
     "BMUFStrategy",
     "CommStrategy",
+    "DiLoCoStrategy",
     "ExpertParallelStrategy",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
     "OneBitSGDStrategy",
     "PeriodicSyncStrategy",
     "SampledVocabStrategy",
+    "StreamingDiLoCoStrategy",
 ]

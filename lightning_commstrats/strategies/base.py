@@ -44,8 +44,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, plan_buckets, unflatten_into
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
 from lightning_commstrats.comm import BACKENDS, CommStats, Communicator, create_communicator, resolve_backend
+from lightning_commstrats.compression.exchange import BucketedAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class CommStrategy(ParallelStrategy):
         self._backend = backend
         self.resume_mismatch = resume_mismatch
         self.bucket_cap_mb = bucket_cap_mb
-        self._buckets: dict[tuple[Any, ...], list[list[int]]] = {}
+        self._fused: BucketedAllReduce | None = None
+        self._param_names: dict[int, str] = {}
         self.samples_per_worker = 0
         self.optimizer_steps = 0
         self.last_step_skipped = False  # the precision plugin skipped the last step (overflow)
@@ -404,18 +406,22 @@ class CommStrategy(ParallelStrategy):
         ``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
         ``tensors``); it must return the same tensor on every rank.
         """
-        key = tuple((t.shape, t.dtype, t.device) for t in tensors)
-        plan = self._buckets.get(key)
-        if plan is None:
-            plan = self._buckets[key] = plan_buckets(tensors, int(self.bucket_cap_mb * 2**20))
-        for indices in plan:
-            bucket = [tensors[i] for i in indices]
-            flat = flatten(bucket)
-            out = exchange(flat, indices) if exchange else self.comm.all_reduce(flat, "avg", tag=tag)
-            unflatten_into(out, bucket)
+        if self._fused is None:
+            self._fused = BucketedAllReduce(self.comm, int(self.bucket_cap_mb * 2**20))
+        self._fused(tensors, tag=tag, exchange=exchange)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called after every optimizer step, once the local update is applied."""
+
+    def param_name(self, p: Tensor) -> str:
+        """The LightningModule's name of parameter ``p`` (the key of per-parameter state)."""
+        if not self._param_names:
+            assert self.lightning_module is not None
+            self._param_names = {id(q): n for n, q in self.lightning_module.named_parameters()}
+        name = self._param_names.get(id(p))
+        if name is None:
+            raise ValueError(f"{type(self).__name__} keeps state only for parameters of the LightningModule")
+        return name
 
     # ------------------------------------------------------------------ Lightning's collectives
 

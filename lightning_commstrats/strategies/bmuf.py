@@ -6,11 +6,11 @@ import logging
 import math
 from typing import Any
 
-from torch import Tensor
 from typing_extensions import override
 
-from lightning_commstrats.block_momentum import (
-    BlockMomentumFilter,
+from lightning_commstrats.outer import (
+    BlockMomentum,
+    OuterFactory,
     block_momentum_from_time_constant,
     time_constant_from_block_momentum,
 )
@@ -26,15 +26,24 @@ class BMUFStrategy(PeriodicSyncStrategy):
     counters (all checkpointed, together with every rank's local weights and optimizer state, so
     a run resumed mid-block continues exactly).
 
-    The algorithm (see :mod:`lightning_commstrats.block_momentum`):
+    It is the periodic scheme whose outer optimizer is the block-momentum filter
+    (:class:`~lightning_commstrats.outer.BlockMomentum`):
 
     1. every rank trains with its local optimizer for one block of ``sync_period`` samples per
        worker (or optimizer steps), starting from ``w_start``;
-    2. the weights are averaged over ranks (one fp32 all-reduce of the model per block);
-    3. the block gradient ``G = w_avg - w_start`` is filtered:
-       ``delta = block_momentum * delta + block_learning_rate * G``, ``w_global += delta``;
+    2. the pseudo-gradient ``G = w_start - w_local`` is averaged over ranks (one fp32 all-reduce of
+       the model per block, or ``pseudo_grad_bits`` per value with error feedback);
+    3. the block update is filtered: ``delta = block_momentum * delta - block_learning_rate * G``
+       (the paper's ``eta * delta + zeta * (w_avg - w_start)``), ``w_global += delta``;
     4. the next block starts from ``w_global + block_momentum * delta`` (Nesterov, default) or from
-       ``w_global``; the local optimizer's momentum is zeroed (``reset_sgd_momentum``).
+       ``w_global``; the local optimizer's momentum is zeroed (``reset_sgd_momentum``). Validation
+       and saved checkpoints see ``w_global``, never the look-ahead point.
+
+    Where this differs from CNTK: CNTK's ``BlockMomentumSGD`` scales the averaged block gradient by
+    ``(1 - block_momentum)``: ``delta = bm * delta + (1 - bm) * block_lr * (w_avg - w_start)``, a
+    filter of unit gain (a constant block gradient adds up to ``block_lr`` times itself per block).
+    This package keeps the paper's form, whose gain is ``block_learning_rate / (1 - bm)``: a CNTK
+    setting ``block_lr`` is this package's ``block_learning_rate = (1 - bm) * block_lr``.
 
     Hyperparameters:
 
@@ -54,6 +63,7 @@ class BMUFStrategy(PeriodicSyncStrategy):
       its second moment and step count are kept) after every synchronisation (default True, as
       CNTK): the block momentum already carries the history.
     - ``parallelization_start``: fully synchronous data parallelism before this many units.
+    - ``pseudo_grad_bits``: 32 (default) or 16, 8, 4, 2 bits per value of ``G`` on the wire.
 
     CNTK's rule of thumb: the training set should hold at least ``time_constant * N`` samples; a
     warning says when it does not (checked for ``sync_period_unit="samples"``).
@@ -71,6 +81,7 @@ class BMUFStrategy(PeriodicSyncStrategy):
         use_nesterov_momentum: Nesterov-style block starts.
         reset_sgd_momentum: zero local first-moment buffers after each sync.
         parallelization_start: warm start length in ``sync_period_unit``.
+        pseudo_grad_bits: 32, 16, 8, 4 or 2.
         **kwargs: :class:`~lightning_commstrats.strategies.base.CommStrategy` arguments (``backend``...).
 
     Example::
@@ -90,6 +101,7 @@ class BMUFStrategy(PeriodicSyncStrategy):
         use_nesterov_momentum: bool = True,
         reset_sgd_momentum: bool = True,
         parallelization_start: int = 0,
+        pseudo_grad_bits: int = 32,
         **kwargs: Any,
     ) -> None:
         if block_momentum is not None and block_momentum_as_time_constant is not None:
@@ -108,13 +120,13 @@ class BMUFStrategy(PeriodicSyncStrategy):
             sync_period_unit=sync_period_unit,
             parallelization_start=parallelization_start,
             reset_sgd_momentum=reset_sgd_momentum,
+            pseudo_grad_bits=pseudo_grad_bits,
             **kwargs,
         )
         self._block_momentum = block_momentum
         self._time_constant = block_momentum_as_time_constant
         self.block_learning_rate = block_learning_rate
         self.use_nesterov_momentum = use_nesterov_momentum
-        self._filter: BlockMomentumFilter | None = None
 
     @property
     def block_momentum(self) -> float:
@@ -130,13 +142,10 @@ class BMUFStrategy(PeriodicSyncStrategy):
         """``-sync_period / ln(block_momentum)``, in the unit of ``sync_period``."""
         return time_constant_from_block_momentum(self.block_momentum, self.sync_period)
 
-    @property
-    def filter(self) -> BlockMomentumFilter:
-        if self._filter is None:
-            self._filter = BlockMomentumFilter(
-                self.block_momentum, self.block_learning_rate, self.use_nesterov_momentum
-            )
-        return self._filter
+    @override
+    def outer_factory(self) -> OuterFactory:
+        momentum, lr, nesterov = self.block_momentum, self.block_learning_rate, self.use_nesterov_momentum
+        return lambda params: BlockMomentum(params, lr=lr, momentum=momentum, nesterov=nesterov)
 
     @override
     def on_train_start(self) -> None:
@@ -171,39 +180,3 @@ class BMUFStrategy(PeriodicSyncStrategy):
                 self.world_size,
                 needed,
             )
-
-    @override
-    def begin(self, weights: Tensor) -> None:
-        self.filter.start(weights)
-
-    @override
-    def combine(self, averaged: Tensor) -> Tensor:
-        return self.filter.update(averaged)
-
-    @override
-    def global_weights(self) -> Tensor | None:
-        return None if self._filter is None else self._filter.w_global
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["filter"] = None if self._filter is None or self._filter.w_global is None else self._filter.state_dict()
-        return state
-
-    @override
-    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        saved = state.get("filter")
-        if saved is not None and saved["w_global"].numel() != sum(p.numel() for p in self.params):
-            raise ValueError(
-                f"its global model has {saved['w_global'].numel()} weights, this model has a different size"
-            )
-        super().load_state_dict(state, rank_state)
-        if saved is not None:
-            self.filter.load_state_dict(
-                {k: v.to(self.root_device) if isinstance(v, Tensor) else v for k, v in saved.items()}
-            )
-
-    @override
-    def reset_state(self) -> None:
-        super().reset_state()
-        self._filter = None

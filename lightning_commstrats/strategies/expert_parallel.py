@@ -221,7 +221,7 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
     def rank_state_dict(self) -> dict[str, Any]:
         return {
             **super().rank_state_dict(),
-            "experts": {self._name(p): p.detach() for p in self.expert_params()},
+            "experts": {self.param_name(p): p.detach() for p in self.expert_params()},
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "layout": [self.dp_size, self.ep_size, self.inner],
         }

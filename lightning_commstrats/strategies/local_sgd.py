@@ -18,11 +18,13 @@ class LocalSGDStrategy(ModelAveragingStrategy):
 
     1. At start, rank 0's weights are broadcast (``MPI.COMM_WORLD.Bcast``);
     2. every rank trains on its own shard of the data (Lightning's distributed sampler);
-    3. every ``sync_period`` (``Q``) optimizer steps, every parameter tensor is ``Allreduce``d in
-       place (the tensor's own memory is the MPI buffer, no copy) and divided by the world size.
+    3. every ``sync_period`` (``Q``) optimizer steps, the change of every parameter tensor since
+       the last exchange (the pseudo-gradient) is ``Allreduce``d in place, one call per tensor
+       (the tensor's own memory is the MPI buffer, no copy), and divided by the world size.
 
     It is model averaging with the period counted in steps and MPI as the transport: the result
-    equals ``model_averaging`` with the same period over gloo. Start it under MPI::
+    equals ``model_averaging`` with the same period over gloo. ``pseudo_grad_bits`` < 32 sends the
+    change quantized with error feedback, through the same two-stage exchange as the other schemes. Start it under MPI::
 
         mpiexec -n 4 python recipes/train_lm.py fit --config ... --trainer.strategy=local_sgd --trainer.devices=4
 
@@ -33,13 +35,16 @@ class LocalSGDStrategy(ModelAveragingStrategy):
         sync_period: ``Q``, optimizer steps between exchanges (default 8). Larger ``Q`` sends
             ``1/Q`` of the model's all-reduce per step but lets models drift apart.
         average_optimizer_state: average the optimizers' float state at each exchange too.
+        pseudo_grad_bits: 32 (default: one ``Allreduce`` per tensor), 16, 8, 4 or 2.
         **kwargs: :class:`~lightning_commstrats.strategies.base.CommStrategy` arguments
             (``backend`` is always ``"mpi"``).
     """
 
     strategy_name = "local_sgd"
 
-    def __init__(self, sync_period: int = 8, average_optimizer_state: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, sync_period: int = 8, average_optimizer_state: bool = False, pseudo_grad_bits: int = 32, **kwargs: Any
+    ) -> None:
         if not MPI4PY_AVAILABLE:
             raise ModuleNotFoundError(
                 f"local_sgd needs mpi4py and an MPI runtime: `pip install mpi4py mpich` ({MPI4PY_AVAILABLE})"
@@ -53,15 +58,14 @@ class LocalSGDStrategy(ModelAveragingStrategy):
             sync_period=sync_period,
             sync_period_unit="steps",
             average_optimizer_state=average_optimizer_state,
+            pseudo_grad_bits=pseudo_grad_bits,
             **kwargs,
         )
 
     @override
-    def averaged_weights(self) -> torch.Tensor:
-        if self.world_size > 1:
-            with torch.no_grad():
-                for p in self.params:
-                    # in place on the parameter's own CPU memory: mpi4py takes it as the buffer
-                    self.comm.all_reduce(p.data, "sum", tag="weights")
-                    p.data.div_(self.world_size)
-        return self.flat_weights()
+    def average_pseudo_gradient(self, named: dict[str, torch.Tensor]) -> None:
+        if self.pseudo_grad_bits < 32:
+            super().average_pseudo_gradient(named)
+            return
+        for t in named.values():  # contiguous slices of one buffer: mpi4py takes each as it is
+            self.comm.all_reduce(t, "avg", tag="weights")

@@ -10,13 +10,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
-from lightning_commstrats.compression import ColumnCodec, MatrixLayout, QuantizedAllReduce
+from lightning_commstrats.compression.exchange import TensorExchange, check_exchange_args
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
 
-QUANTIZATION_BITS = (1, 2, 4, 8, 16, 32)
 UNITS = ("samples", "steps")
-HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class OneBitSGDStrategy(AllReduceStrategy):
@@ -103,20 +101,13 @@ class OneBitSGDStrategy(AllReduceStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        if num_quantization_bits not in QUANTIZATION_BITS:
-            raise ValueError(
-                f"num_quantization_bits={num_quantization_bits!r} is not supported; choose one of {QUANTIZATION_BITS}"
-            )
+        check_exchange_args(num_quantization_bits, half_dtype, small_tensor_numel, name="num_quantization_bits")
         if not isinstance(distributed_after, int) or distributed_after < 0:
             raise ValueError(f"distributed_after must be an int >= 0, got {distributed_after!r}")
         if distributed_after_unit not in UNITS:
             raise ValueError(
                 f"distributed_after_unit={distributed_after_unit!r} is not supported; choose one of {UNITS}"
             )
-        if small_tensor_numel < 0:
-            raise ValueError(f"small_tensor_numel must be >= 0, got {small_tensor_numel}")
-        if half_dtype not in HALF_DTYPES:
-            raise ValueError(f"half_dtype={half_dtype!r} is not supported; choose one of {tuple(HALF_DTYPES)}")
         super().__init__(
             bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
         )
@@ -125,16 +116,22 @@ class OneBitSGDStrategy(AllReduceStrategy):
         self.distributed_after_unit = distributed_after_unit
         self.small_tensor_numel = small_tensor_numel
         self.half_dtype = half_dtype
-        self._aggregator: QuantizedAllReduce | None = None
-        self._names: dict[int, str] = {}
+        self._exchange: TensorExchange | None = None
         self._samples_before_step = 0
 
     @property
-    def aggregator(self) -> QuantizedAllReduce:
-        if self._aggregator is None:
-            codec = ColumnCodec(min(self.num_quantization_bits, 16), HALF_DTYPES[self.half_dtype])
-            self._aggregator = QuantizedAllReduce(codec, self.comm)
-        return self._aggregator
+    def gradient_exchange(self) -> TensorExchange:
+        """The component that averages the gradients (and holds the error-feedback residuals)."""
+        if self._exchange is None:
+            self._exchange = TensorExchange(
+                self.comm,
+                self.num_quantization_bits,
+                half_dtype=self.half_dtype,
+                small_tensor_numel=self.small_tensor_numel,
+                tag="grad",
+                bucket_cap_mb=self.bucket_cap_mb,
+            )
+        return self._exchange
 
     @property
     def quantizing(self) -> bool:
@@ -145,9 +142,6 @@ class OneBitSGDStrategy(AllReduceStrategy):
             return self.optimizer_steps >= self.distributed_after
         return self._samples_before_step * self.world_size >= self.distributed_after
 
-    def is_quantized(self, p: torch.nn.Parameter) -> bool:
-        return p.dim() >= 2 and p.numel() > self.small_tensor_numel
-
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
         if self.world_size > 1:
@@ -155,59 +149,29 @@ class OneBitSGDStrategy(AllReduceStrategy):
 
     def exchange_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params``: quantized matrices and fp32 small tensors."""
-        if not self.quantizing:
-            self.allreduce_gradients(params)
-            return
-        self.allreduce_gradients([p for p in params if not self.is_quantized(p)])
-        large = [p for p in params if self.is_quantized(p)]
-        if not large:
-            return
-        averaged = self.aggregator({self._name(p): dense_grad(p) for p in large})
-        for p in large:
-            p.grad.copy_(averaged[self._name(p)])
+        self.gradient_exchange.average({self.param_name(p): dense_grad(p) for p in params}, quantize=self.quantizing)
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         self._samples_before_step = self.samples_per_worker
 
-    def _name(self, p: torch.nn.Parameter) -> str:
-        if not self._names:
-            assert self.lightning_module is not None
-            self._names = {id(q): n for n, q in self.lightning_module.named_parameters()}
-        name = self._names.get(id(p))
-        if name is None:
-            raise ValueError(f"{type(self).__name__} quantizes only parameters of the LightningModule")
-        return name
-
     # ------------------------------------------------------------------ checkpointed state
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        if self._aggregator is None:
+        if self._exchange is None:
             return {"residuals": {}, "residuals2": {}}
-        return {"residuals": dict(self._aggregator.residuals), "residuals2": dict(self._aggregator.residuals2)}
+        return self._exchange.state_dict()
 
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        params = dict(self.lightning_module.named_parameters())
-        for kind in ("residuals", "residuals2"):
-            for name, res in rank_state[kind].items():
-                if name not in params:
-                    raise ValueError(f"its residual for parameter {name!r} has no parameter of that name in the model")
-                lay = MatrixLayout.of(params[name].shape, self.world_size)
-                c0, c1 = lay.stripes[self.global_rank]
-                expected = (lay.cols, lay.rows) if kind == "residuals" else (c1 - c0, lay.rows)
-                if tuple(res.shape) != expected:
-                    raise ValueError(
-                        f"its {kind} for {name!r} have shape {tuple(res.shape)}, this model needs {expected}"
-                    )
+        shapes = {n: p.shape for n, p in self.lightning_module.named_parameters()}
+        self.gradient_exchange.check_state(rank_state, shapes)
         super().load_state_dict(state, rank_state)
         self._samples_before_step = self.samples_per_worker
-        agg = self.aggregator
-        agg.residuals = {n: r.float() for n, r in rank_state["residuals"].items()}
-        agg.residuals2 = {n: r.float() for n, r in rank_state["residuals2"].items()}
+        self.gradient_exchange.load_state_dict(rank_state)
 
     @override
     def reset_state(self) -> None:
-        if self._aggregator is not None:
-            self._aggregator.reset()
+        if self._exchange is not None:
+            self._exchange.reset()

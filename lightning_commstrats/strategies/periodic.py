@@ -1,45 +1,97 @@
-"""Weight-exchange schemes: ranks train alone and average their weights every ``sync_period``.
+"""The periodic family: ranks train alone and every ``sync_period`` an outer optimizer steps the global model.
 
-:class:`PeriodicSyncStrategy` is the machinery shared by ``model_averaging``, ``bmuf`` and
-``local_sgd``: counting the period (samples per worker, as CNTK, or optimizer steps), the warm
-start, the averaging itself (fused fp32 all-reduce of every parameter, tag ``"weights"``), resetting
-the local optimizer's momentum, a final synchronisation when fit ends, validation on the global
-model, and checkpoints that restore a run mid-block (each rank's local weights and optimizer state
-travel in the checkpoint; the checkpoint's ``state_dict`` holds the global model).
+:class:`PeriodicSyncStrategy` is the one strategy behind ``model_averaging``, ``bmuf``, ``local_sgd``,
+``diloco`` and ``streaming_diloco``; they differ only in the components it holds:
+
+- the outer optimizer (:class:`~lightning_commstrats.outer.OuterOptimizer`): the one global copy
+  of the weights and the rule that steps it with the averaged pseudo-gradient
+  ``G = w_start - mean over ranks(w_local)``: SGD with lr 1 (model averaging), the block-momentum
+  filter (BMUF), Nesterov SGD (DiLoCo), or any ``torch.optim`` optimizer;
+- the exchange (:class:`~lightning_commstrats.compression.TensorExchange`) that averages ``G``:
+  fp32, 16-bit, or 8/4/2-bit codes with per-column scales and error feedback (the quantization
+  residual is added to the next sync's ``G``);
+- the schedule: the parameters in ``num_fragments`` fragments, each synced every ``sync_period``
+  at its own offset; an exchange started at one step is applied ``fragment_sync_delay`` inner
+  steps later (meanwhile it runs in a background thread on a communication channel of its own),
+  mixed into the local weights with ``fragment_update_alpha``.
+
+Shared machinery: the period in samples per worker or optimizer steps, the warm start (gradients
+all-reduced every step before ``parallelization_start``), resetting the local optimizer's first
+moment after a sync, a final synchronisation when fit ends (every rank ends with the global
+model), validation and saved weights always on the global model, and checkpoints that restore a
+run mid-block and mid-fragment: the global model, outer optimizer, schedule and an exchange in
+flight are shared state; each rank's local weights, inner optimizer state and quantization
+residuals are its own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.buckets import flatten, unflatten_into
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.compression.exchange import TensorExchange, check_exchange_args
+from lightning_commstrats.outer import OuterFactory, OuterOptimizer, resolve_outer_optimizer
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy
 
 log = logging.getLogger(__name__)
 
 UNITS = ("samples", "steps")
+PSEUDO_GRAD_BITS = (2, 4, 8, 16, 32)
 # First-moment buffers of the common optimizers: SGD's momentum and Adam's exp_avg.
 MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
 
 
+@dataclass
+class _Exchange:
+    """A fragment's pseudo-gradient on its way: averaged in place into ``grad`` by ``future``."""
+
+    fragment: int
+    started_at: int  # the optimizer step after which the exchange started
+    apply_at: int  # the optimizer step after which the result is applied
+    grad: Tensor
+    future: Future | None = None
+
+
 class PeriodicSyncStrategy(CommStrategy):
-    """Local training with weights averaged every ``sync_period`` (base of the weight-exchange schemes).
+    """Local training; every ``sync_period`` an outer optimizer steps the global model with the averaged
+    pseudo-gradient. The base of the periodic schemes, usable directly with any outer optimizer.
 
     Args:
-        sync_period: length of a block between synchronisations, in ``sync_period_unit``.
+        sync_period: length of a block between synchronisations of a fragment, in ``sync_period_unit``.
         sync_period_unit: ``"samples"`` (per worker, CNTK's unit) or ``"steps"`` (optimizer steps).
         parallelization_start: warm start, in ``sync_period_unit``: before it, gradients are
             averaged every step (fully synchronous data parallelism); the first block starts there.
-        reset_sgd_momentum: zero the local optimizers' first-moment buffers after every
-            synchronisation (SGD's ``momentum_buffer``, Adam's ``exp_avg``; Adam's second moment
-            ``exp_avg_sq`` and step counts are kept).
+        reset_sgd_momentum: zero the local optimizers' first-moment buffers of the synced
+            parameters after every synchronisation (SGD's ``momentum_buffer``, Adam's ``exp_avg``;
+            Adam's second moment ``exp_avg_sq`` and step counts are kept).
+        outer_optimizer: ``None`` (SGD), a class path such as ``"torch.optim.SGD"``, a
+            ``torch.optim.Optimizer`` subclass, or a callable ``params -> Optimizer``.
+        outer_lr: the outer learning rate (1.0 with no momentum is model averaging).
+        outer_momentum: the outer momentum, for optimizers that take one (Nesterov for SGD when > 0).
+        outer_optimizer_kwargs: further arguments of the outer optimizer class.
+        pseudo_grad_bits: 32, 16, 8, 4 or 2 bits per value of the averaged pseudo-gradient's
+            matrices (per-column scales, error feedback); small tensors always travel in fp32.
+        small_tensor_numel: tensors with at most this many values (and 1-D ones) go in fp32.
+        half_dtype: the 16-bit format, ``"float16"`` or ``"bfloat16"``.
+        num_fragments: parameters in this many fragments (contiguous in registration order,
+            balanced by size), each synced every ``sync_period`` at its own offset; > 1 needs
+            ``sync_period_unit="steps"``.
+        fragment_sync_delay: inner steps between starting a fragment's exchange and applying its
+            result (0: blocking); must be < ``sync_period / num_fragments``.
+        fragment_update_alpha: the local weights of a synced fragment become
+            ``alpha * local + (1 - alpha) * global``, in [0, 1] (0: restart from the global model).
         **kwargs: passed to :class:`~lightning_commstrats.strategies.base.CommStrategy`.
     """
 
@@ -49,6 +101,16 @@ class PeriodicSyncStrategy(CommStrategy):
         sync_period_unit: str = "samples",
         parallelization_start: int = 0,
         reset_sgd_momentum: bool = False,
+        outer_optimizer: Any = None,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        outer_optimizer_kwargs: dict[str, Any] | None = None,
+        pseudo_grad_bits: int = 32,
+        small_tensor_numel: int = 1024,
+        half_dtype: str = "float16",
+        num_fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if isinstance(sync_period, bool) or not isinstance(sync_period, int) or sync_period <= 0:
@@ -57,59 +119,122 @@ class PeriodicSyncStrategy(CommStrategy):
             raise ValueError(f"sync_period_unit={sync_period_unit!r} is not supported; choose one of {UNITS}")
         if not isinstance(parallelization_start, int) or parallelization_start < 0:
             raise ValueError(f"parallelization_start must be an int >= 0, got {parallelization_start!r}")
+        if isinstance(pseudo_grad_bits, bool) or pseudo_grad_bits not in PSEUDO_GRAD_BITS:
+            raise ValueError(
+                f"pseudo_grad_bits={pseudo_grad_bits!r} is not supported; choose one of {PSEUDO_GRAD_BITS}"
+            )
+        check_exchange_args(pseudo_grad_bits, half_dtype, small_tensor_numel, name="pseudo_grad_bits")
+        if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
+            raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
+        if num_fragments > 1 and sync_period_unit != "steps":
+            raise ValueError(f"num_fragments={num_fragments} needs sync_period_unit='steps', got {sync_period_unit!r}")
+        if num_fragments > sync_period:
+            raise ValueError(f"num_fragments={num_fragments} must be <= sync_period={sync_period}")
+        if isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int) or fragment_sync_delay < 0:
+            raise ValueError(f"fragment_sync_delay must be an int >= 0, got {fragment_sync_delay!r}")
+        if fragment_sync_delay and fragment_sync_delay * num_fragments >= sync_period:
+            raise ValueError(
+                f"fragment_sync_delay={fragment_sync_delay} must be < sync_period / num_fragments ="
+                f" {sync_period}/{num_fragments}: a fragment's exchange must land before the next one starts"
+            )
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+        self._outer_factory = resolve_outer_optimizer(outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs)
         super().__init__(**kwargs)
         self.sync_period = sync_period
         self.sync_period_unit = sync_period_unit
         self.parallelization_start = parallelization_start
         self.reset_sgd_momentum = reset_sgd_momentum
+        self.pseudo_grad_bits = pseudo_grad_bits
+        self.small_tensor_numel = small_tensor_numel
+        self.half_dtype = half_dtype
+        self.num_fragments = num_fragments
+        self.fragment_sync_delay = fragment_sync_delay
+        self.fragment_update_alpha = fragment_update_alpha
         self.started = False  # past the warm start
-        self._block_start = 0  # progress (samples or steps) when the current block began
-        self._global: Tensor | None = None  # the global model (flat fp32), identical on every ranks
+        self.outer: OuterOptimizer | None = None
+        self._block_start: list[int] = []  # progress when each fragment's current block began
+        self._bounds: list[tuple[int, int]] = []  # each fragment's parameters: [begin, end) indices
+        self._inflight: _Exchange | None = None
+        self._exchange: TensorExchange | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._stash: list[Tensor] | None = None  # local weights while validation uses the global model
+        # (fragment, step its exchange started after, step its result was applied after), recent syncs
+        self.sync_history: deque[tuple[int, int, int]] = deque(maxlen=1024)
 
-    # ------------------------------------------------------------------ what subclasses define
+    # ------------------------------------------------------------------ components
 
-    def combine(self, averaged: Tensor) -> Tensor:
-        """The weights every rank continues from, given the average; sets ``self._global``."""
-        self._global = averaged.clone()
-        return averaged
+    def outer_factory(self) -> OuterFactory:
+        """Builds the outer optimizer over the global tensors (presets override)."""
+        return self._outer_factory
 
-    def begin(self, weights: Tensor) -> None:
-        """The first block starts from ``weights`` (identical on every rank)."""
-        self._global = weights.clone()
+    @property
+    def exchange(self) -> TensorExchange:
+        """The component that averages pseudo-gradients (and holds their quantization residuals).
 
-    def global_weights(self) -> Tensor | None:
-        """The global model as a flat float32 vector (what validation and checkpoints see), once started."""
-        return self._global
+        With a delay it runs on a second channel of the ranks, in a background thread.
+        """
+        if self._exchange is None:
+            comm: Communicator = self.comm.duplicate() if self.fragment_sync_delay else self.comm
+            self._exchange = TensorExchange(
+                comm,
+                self.pseudo_grad_bits,
+                half_dtype=self.half_dtype,
+                small_tensor_numel=self.small_tensor_numel,
+                tag="weights",
+                bucket_cap_mb=self.bucket_cap_mb,
+            )
+        return self._exchange
 
-    # ------------------------------------------------------------------ parameters as one vector
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        n = len(self.params)
+        if self.num_fragments > n:
+            raise ValueError(f"num_fragments={self.num_fragments} is larger than the model's {n} parameter tensors")
+        self._bounds = fragment_bounds([p.numel() for p in self.params], self.num_fragments)
+        if self.world_size > 1:
+            _ = self.exchange  # every rank makes its channel now, in the same order
+
+    # ------------------------------------------------------------------ parameters as vectors
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         assert self.lightning_module is not None
         return list(self.lightning_module.parameters())
 
-    def flat_weights(self) -> Tensor:
-        return flatten([p.detach().float() for p in self.params])
+    def fragment_params(self, fragment: int) -> list[torch.nn.Parameter]:
+        i0, i1 = self._bounds[fragment]
+        return self.params[i0:i1]
 
-    def load_flat(self, flat: Tensor) -> None:
+    def flat_weights(self, fragment: int | None = None) -> Tensor:
+        """A float32 copy of the local weights of ``fragment`` (of all parameters for ``None``)."""
+        params = self.params if fragment is None else self.fragment_params(fragment)
+        return flatten([p.detach().float() for p in params])
+
+    def load_flat(self, flat: Tensor, fragment: int | None = None) -> None:
+        params = self.params if fragment is None else self.fragment_params(fragment)
         with torch.no_grad():
-            unflatten_into(flat, [p.data for p in self.params])
+            unflatten_into(flat, [p.data for p in params])
 
-    # ------------------------------------------------------------------ the step
+    def global_weights(self) -> Tensor | None:
+        """The global model as one flat float32 vector (what validation and checkpoints see), once started."""
+        if self.outer is None:
+            return None
+        return torch.cat([self.outer.global_weights(f) for f in range(self.num_fragments)])
+
+    # ------------------------------------------------------------------ the schedule
 
     def _progress(self) -> int:
         return self.samples_per_worker if self.sync_period_unit == "samples" else self.optimizer_steps
 
-    @property
-    def since_sync(self) -> int:
-        """Samples or steps trained since the last synchronisation (0 before the first block)."""
-        return self._progress() - self._block_start if self.started else 0
-
     def _start(self) -> None:
         self.started = True
-        self._block_start = self._progress()
-        self.begin(self.flat_weights())
+        now, h, f = self._progress(), self.sync_period, self.num_fragments
+        # fragment k first syncs (k + 1) H / F units from now, then every H: the fragments take turns
+        self._block_start = [now - h + (k + 1) * h // f for k in range(f)]
+        self.outer = OuterOptimizer(self.outer_factory())
+        self.outer.start([self.flat_weights(k) for k in range(f)])
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
@@ -123,8 +248,13 @@ class PeriodicSyncStrategy(CommStrategy):
         if self.last_step_skipped:
             return output
         if self.started:
-            if self.since_sync >= self.sync_period:
-                self.synchronize()
+            if self._inflight is not None and self.optimizer_steps >= self._inflight.apply_at:
+                self._apply()
+            for k in range(self.num_fragments):
+                if self._progress() - self._block_start[k] >= self.sync_period:
+                    self._launch(k, background=self.fragment_sync_delay > 0)
+                    if self.fragment_sync_delay == 0:
+                        self._apply()
         elif self._progress() >= self.parallelization_start:
             self._start()
         return output
@@ -135,29 +265,76 @@ class PeriodicSyncStrategy(CommStrategy):
         if not self.started and self.parallelization_start == 0:
             self._start()
 
-    def synchronize(self) -> None:
-        """End the block: average the weights, combine, continue from the result."""
-        self.load_flat(self.combine(self.averaged_weights()))
-        self._block_start = self._progress()
-        if self.reset_sgd_momentum:
-            for optimizer in self.optimizers:
-                reset_momentum(optimizer)
+    def _launch(self, fragment: int, background: bool) -> None:
+        """Start averaging ``fragment``'s pseudo-gradient ``G = w_start - w_local``."""
+        assert self.outer is not None
+        if self._inflight is not None:
+            raise RuntimeError(f"fragment {fragment} is due while fragment {self._inflight.fragment} is in flight")
+        grad = self.outer.start_point(fragment) - self.flat_weights(fragment)
+        named = self._named_views(fragment, grad)
+        self._block_start[fragment] = self._progress()
+        delay = self.fragment_sync_delay if background else 0
+        pending = _Exchange(fragment, self.optimizer_steps, self.optimizer_steps + delay, grad)
+        if background and self.world_size > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
+            pending.future = self._pool.submit(self.average_pseudo_gradient, named)
+        else:
+            self.average_pseudo_gradient(named)
+        self._inflight = pending
 
-    def averaged_weights(self) -> Tensor:
-        """The average over ranks of the flat weights (one fused fp32 all-reduce, tag ``"weights"``)."""
-        flat = self.flat_weights()
-        if self.world_size > 1:
-            self.all_reduce_fused([flat], tag="weights")
-        return flat
+    def average_pseudo_gradient(self, named: dict[str, Tensor]) -> None:
+        """Average the named pseudo-gradient tensors over ranks in place (identical on every rank)."""
+        self.exchange.average(named)
+
+    def _apply(self) -> None:
+        """The outer step of the fragment in flight; its local weights restart from (or mix with) the result."""
+        pending, self._inflight = self._inflight, None
+        assert pending is not None and self.outer is not None
+        if pending.future is not None:
+            pending.future.result()  # re-raises a failed exchange here
+        f = pending.fragment
+        self.outer.step(f, pending.grad)
+        start = self.outer.start_point(f)
+        alpha = self.fragment_update_alpha
+        self.load_flat(start if alpha == 0 else torch.lerp(start, self.flat_weights(f), alpha), f)
+        if self.reset_sgd_momentum:
+            ids = {id(p) for p in self.fragment_params(f)}
+            for optimizer in self.optimizers:
+                reset_momentum(optimizer, ids)
+        self.sync_history.append((f, pending.started_at, self.optimizer_steps))
+        self.after_sync(f)
+
+    def after_sync(self, fragment: int) -> None:
+        """Called after every outer step (of ``fragment``), once the local weights are updated."""
+
+    def synchronize(self) -> None:
+        """Finish the exchange in flight, then sync every fragment that trained since its last sync, now."""
+        if self._inflight is not None:
+            self._apply()
+        for k in range(self.num_fragments):
+            if self._progress() - self._block_start[k] > 0:
+                self._launch(k, background=False)
+                self._apply()
+
+    def _named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
+        views, offset = {}, 0
+        for p in self.fragment_params(fragment):
+            views[self.param_name(p)] = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return views
 
     @override
     def on_train_end(self) -> None:
-        # the saved model is the global one, identical on every rank
-        if self.started and self.since_sync > 0:
+        # every rank ends with the global model
+        if self.started:
             self.synchronize()
-        final = self.global_weights()
-        if final is not None:
+            final = self.global_weights()
+            assert final is not None
             self.load_flat(final)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         super().on_train_end()
 
     # ------------------------------------------------------------------ validation on the global model
@@ -166,7 +343,7 @@ class PeriodicSyncStrategy(CommStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         global_weights = self.global_weights()
-        if global_weights is not None and self.since_sync > 0:
+        if global_weights is not None:
             self._stash = [p.detach().clone() for p in self.params]
             self.load_flat(global_weights)
 
@@ -185,7 +362,7 @@ class PeriodicSyncStrategy(CommStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
         flat = self.global_weights()
-        if flat is None or self.since_sync == 0:
+        if flat is None:
             return state
         # the checkpoint's model is the global one; each rank's local weights go in its rank state
         slices, offset = {}, 0
@@ -200,11 +377,23 @@ class PeriodicSyncStrategy(CommStrategy):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        inflight = None
+        if self._inflight is not None:
+            if self._inflight.future is not None:
+                self._inflight.future.result()  # every rank saves at the same step: the exchange completes
+                self._inflight.future = None
+            inflight = {
+                "fragment": self._inflight.fragment,
+                "started_at": self._inflight.started_at,
+                "apply_at": self._inflight.apply_at,
+                "grad": self._inflight.grad,
+            }
         return {
             **super().state_dict(),
-            "block_start": self._block_start,
             "started": self.started,
-            "global": self._global,
+            "block_start": list(self._block_start),
+            "outer": None if self.outer is None else self.outer.state_dict(),
+            "inflight": inflight,
         }
 
     @override
@@ -212,6 +401,7 @@ class PeriodicSyncStrategy(CommStrategy):
         return {
             "weights": self.flat_weights(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "exchange": self.exchange.state_dict() if self._exchange is not None else None,
         }
 
     @override
@@ -219,23 +409,66 @@ class PeriodicSyncStrategy(CommStrategy):
         n = sum(p.numel() for p in self.params)
         if rank_state["weights"].numel() != n:
             raise ValueError(f"it holds {rank_state['weights'].numel()} weights and this model has {n}")
+        sizes = [sum(p.numel() for p in self.fragment_params(k)) for k in range(self.num_fragments)]
+        outer = OuterOptimizer(self.outer_factory())
+        if state["outer"] is not None:
+            outer.check_state(state["outer"], sizes)
+        if len(state["block_start"]) not in (0, self.num_fragments):
+            raise ValueError(f"it has {len(state['block_start'])} fragments and this run {self.num_fragments}")
+        if rank_state["exchange"] is not None:
+            self.exchange.check_state(rank_state["exchange"], {self.param_name(p): p.shape for p in self.params})
         super().load_state_dict(state, rank_state)
-        self._block_start = int(state["block_start"])
         self.started = bool(state["started"])
-        self._global = None if state["global"] is None else state["global"].to(self.root_device, torch.float32)
+        self._block_start = [int(b) for b in state["block_start"]]
+        self.outer = None
+        if state["outer"] is not None and state["outer"]["weights"] is not None:
+            outer.load_state_dict(state["outer"], self.root_device)
+            self.outer = outer
+        saved = state["inflight"]
+        self._inflight = None
+        if saved is not None:
+            grad = saved["grad"].to(self.root_device, torch.float32)
+            self._inflight = _Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
         self.load_flat(rank_state["weights"].to(self.root_device))
         for optimizer, opt_state in zip(self.optimizers, rank_state["optimizers"], strict=True):
             optimizer.load_state_dict(opt_state)
+        if rank_state["exchange"] is not None:
+            self.exchange.load_state_dict(rank_state["exchange"])
 
     @override
     def reset_state(self) -> None:
         self.started = False
-        self._global = None
+        self.outer = None
+        self._inflight = None
+        if self._exchange is not None:
+            self._exchange.reset()
 
 
-def reset_momentum(optimizer: Optimizer) -> None:
-    """Zero the first-moment buffers (``momentum_buffer``, ``exp_avg``) of ``optimizer``."""
-    for state in optimizer.state.values():
+def fragment_bounds(sizes: list[int], num_fragments: int) -> list[tuple[int, int]]:
+    """Cut tensors of ``sizes`` (in order) into ``num_fragments`` contiguous non-empty runs of about
+    equal total size; returns ``[begin, end)`` index pairs."""
+    total = sum(sizes)
+    bounds, begin, acc = [], 0, 0
+    for k in range(num_fragments - 1):
+        target = total * (k + 1) / num_fragments
+        end = begin + 1  # at least one tensor
+        acc += sizes[begin]
+        # grow while the next tensor brings the running total closer to the target, leaving one per later run
+        while end < len(sizes) - (num_fragments - 1 - k) and abs(acc + sizes[end] - target) <= abs(acc - target):
+            acc += sizes[end]
+            end += 1
+        bounds.append((begin, end))
+        begin = end
+    bounds.append((begin, len(sizes)))
+    return bounds
+
+
+def reset_momentum(optimizer: Optimizer, param_ids: set[int] | None = None) -> None:
+    """Zero the first-moment buffers (``momentum_buffer``, ``exp_avg``) of ``optimizer``, of the
+    parameters whose ``id`` is in ``param_ids`` (all for ``None``)."""
+    for p, state in optimizer.state.items():
+        if param_ids is not None and id(p) not in param_ids:
+            continue
         for key in MOMENTUM_KEYS:
             buf = state.get(key)
             if isinstance(buf, Tensor):
@@ -249,13 +482,15 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
     Stores the global model of the last synchronisation (for validation and checkpoints) and the
     block counters.
 
-    Each rank runs its optimizer alone on its shard of the data; every ``sync_period`` samples
-    per worker (CNTK's unit; CNTK's default is 40,000) or optimizer steps, the fp32 weights are
-    all-reduced and averaged, which costs ``2 (N-1)/N`` of the model per rank once per period.
-    CNTK reports that it converges worse than BMUF at the same period: the average of models
-    that drifted apart is a step of only ``1/N`` of the combined progress. Shorter periods track
-    synchronous SGD more closely and send more; with period 1 and plain SGD (no momentum) it equals
-    gradient all-reduce exactly.
+    It is the periodic scheme whose outer optimizer is SGD with learning rate 1 and no momentum:
+    ``w = w_start - G = mean(w_local)``. Each rank runs its optimizer alone on its shard of the
+    data; every ``sync_period`` samples per worker (CNTK's unit; CNTK's default is 40,000) or
+    optimizer steps, the pseudo-gradient is averaged (fp32 all-reduce; ``pseudo_grad_bits`` < 32
+    sends it quantized with error feedback), which costs ``2 (N-1)/N`` of the model per rank once
+    per period at 32 bits. CNTK reports that it converges worse than BMUF at the same period: the
+    average of models that drifted apart is a step of only ``1/N`` of the combined progress.
+    Shorter periods track synchronous SGD more closely and send more; with period 1 and plain SGD
+    (no momentum) it equals gradient all-reduce.
 
     Args:
         sync_period: samples per worker (default 40,000, as CNTK) or steps between averages.
@@ -264,7 +499,9 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
             so that local optimizers restart in agreement (costs as much again per moment buffer).
         parallelization_start: fully synchronous training before this many units (warm start).
         reset_sgd_momentum: zero momentum buffers after each average (default False).
-        **kwargs: :class:`~lightning_commstrats.strategies.base.CommStrategy` arguments (``backend``...).
+        pseudo_grad_bits: 32 (default), 16, 8, 4 or 2 (see :class:`PeriodicSyncStrategy`).
+        **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`
+            arguments (``backend``...).
 
     Example::
 
@@ -280,6 +517,7 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
         average_optimizer_state: bool = False,
         parallelization_start: int = 0,
         reset_sgd_momentum: bool = False,
+        pseudo_grad_bits: int = 32,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -287,13 +525,16 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
             sync_period_unit=sync_period_unit,
             parallelization_start=parallelization_start,
             reset_sgd_momentum=reset_sgd_momentum,
+            outer_optimizer="torch.optim.SGD",
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            pseudo_grad_bits=pseudo_grad_bits,
             **kwargs,
         )
         self.average_optimizer_state = average_optimizer_state
 
     @override
-    def synchronize(self) -> None:
-        super().synchronize()
+    def after_sync(self, fragment: int) -> None:
         if self.average_optimizer_state and self.world_size > 1:
             self.average_optimizer_states()
 

@@ -197,7 +197,7 @@ class SampledVocabStrategy(OneBitSGDStrategy):
         grads = [dense_grad(p) for p in vocab]
         if self.error_feedback:
             for p, g in zip(vocab, grads, strict=True):
-                res = self._residuals.get(self._name(p))
+                res = self._residuals.get(self.param_name(p))
                 if res is not None:
                     g.add_(res)
         widths = [g[0].numel() for g in grads]
@@ -210,7 +210,7 @@ class SampledVocabStrategy(OneBitSGDStrategy):
             if self.error_feedback:
                 res = g.detach().clone()
                 res[rows] = 0
-                self._residuals[self._name(p)] = res
+                self._residuals[self.param_name(p)] = res
             g.zero_()
             g[rows] = new.reshape(-1, *g.shape[1:]).to(g.dtype)
             if unselected.any():

@@ -18,7 +18,7 @@ from lightning_commstrats.strategies.base import STATE_KEY
         ),
         ({"distributed_after": -1}, "distributed_after must be an int >= 0, got -1"),
         ({"distributed_after_unit": "epochs"}, "distributed_after_unit='epochs' is not supported"),
-        ({"small_tensor_numel": -5}, "small_tensor_numel must be >= 0"),
+        ({"small_tensor_numel": -5}, "small_tensor_numel must be an int >= 0"),
         ({"half_dtype": "float8"}, "half_dtype='float8' is not supported"),
         ({"resume_mismatch": "ignore"}, "resume_mismatch='ignore' is not supported"),
         ({"backend": "ib"}, "backend='ib' is not supported"),

@@ -1,0 +1,160 @@
+"""Averaging named tensors over ranks at a chosen precision: the exchange component schemes hold.
+
+:class:`TensorExchange` is what a strategy holds to average its gradients (``onebit_sgd``,
+``sampled_vocab``, ``expert_parallel``) or its pseudo-gradients (the periodic schemes), so that every
+scheme composes with every codec:
+
+- ``bits=32``: every tensor in fused fp32 all-reduces (buckets of at most ``bucket_cap_mb``);
+- ``bits`` in 1, 2, 4, 8, 16: matrices (2+ dimensions, more than ``small_tensor_numel`` values) go
+  through the two-stage quantized all-reduce with error feedback
+  (:class:`~lightning_commstrats.compression.QuantizedAllReduce`: an all-to-all of packed stripes,
+  then an all-gather), the rest (biases, norms) in fused fp32 all-reduces.
+
+Its state is the rank-local error-feedback residuals, keyed by tensor name
+(:meth:`TensorExchange.state_dict`). No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_commstrats.buckets import flatten, plan_buckets, unflatten_into
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
+from lightning_commstrats.compression.quantizers import ColumnCodec
+
+EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class BucketedAllReduce:
+    """Average tensors over ranks in place, fused into buckets of at most ``cap_bytes`` each.
+
+    The bucket plan of a list of tensors (by shapes, dtypes, devices) is computed once and reused.
+    """
+
+    def __init__(self, comm: Communicator, cap_bytes: int) -> None:
+        self.comm = comm
+        self.cap_bytes = cap_bytes
+        self._plans: dict[tuple[Any, ...], list[list[int]]] = {}
+
+    def __call__(
+        self,
+        tensors: Sequence[Tensor],
+        *,
+        tag: str,
+        exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
+    ) -> None:
+        """``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
+        ``tensors``); it must return the same tensor on every rank."""
+        key = tuple((t.shape, t.dtype, t.device) for t in tensors)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_buckets(tensors, self.cap_bytes)
+        for indices in plan:
+            bucket = [tensors[i] for i in indices]
+            flat = flatten(bucket)
+            out = exchange(flat, indices) if exchange else self.comm.all_reduce(flat, "avg", tag=tag)
+            unflatten_into(out, bucket)
+
+
+class TensorExchange:
+    """Average named tensors over ranks in place: fp32, 16-bit, or n-bit with error feedback.
+
+    Args:
+        comm: the ranks' communicator.
+        bits: 32 (fp32), 16 (``half_dtype`` values) or 1, 2, 4, 8 (packed codes + per-column scales).
+        half_dtype: ``"float16"`` or ``"bfloat16"`` for 16 bits.
+        small_tensor_numel: tensors with at most this many values, and one-dimensional ones, travel
+            in fp32 (CNTK: 1024); they are few bytes and sensitive (biases, norms).
+        tag: traffic tag of the fp32 part; the quantized part is charged to ``<tag>_quantized``.
+        bucket_cap_mb: largest fused fp32 buffer, MiB.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        bits: int = 32,
+        *,
+        half_dtype: str = "float16",
+        small_tensor_numel: int = 1024,
+        tag: str = "grad",
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        check_exchange_args(bits, half_dtype, small_tensor_numel)
+        self.comm = comm
+        self.bits = bits
+        self.small_tensor_numel = small_tensor_numel
+        self.tag = tag
+        self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20))
+        self.quantized: QuantizedAllReduce | None = None
+        if bits < 32:
+            codec = ColumnCodec(min(bits, 16), HALF_DTYPES[half_dtype])
+            self.quantized = QuantizedAllReduce(codec, comm, tag=f"{tag}_quantized")
+
+    def quantizes(self, t: Tensor) -> bool:
+        """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values)."""
+        return self.quantized is not None and t.dim() >= 2 and t.numel() > self.small_tensor_numel
+
+    def average(self, named: Mapping[str, Tensor], *, quantize: bool = True) -> None:
+        """Replace every tensor of ``named`` with its average over ranks (identical on every rank).
+
+        ``quantize=False`` sends everything in fp32 (a warm start); residuals are left as they are.
+        """
+        if self.comm.world_size == 1 or not named:
+            return
+        large = {n: t for n, t in named.items() if quantize and self.quantizes(t)}
+        small = [t for n, t in named.items() if n not in large]
+        if small:
+            self.fused(small, tag=self.tag)
+        if large:
+            assert self.quantized is not None
+            for name, avg in self.quantized(large).items():
+                large[name].copy_(avg)
+
+    # ------------------------------------------------------------------ rank-local state
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        """The error-feedback residuals of both stages, per tensor name (rank-local)."""
+        if self.quantized is None:
+            return {"residuals": {}, "residuals2": {}}
+        return {"residuals": dict(self.quantized.residuals), "residuals2": dict(self.quantized.residuals2)}
+
+    def check_state(self, state: Mapping[str, Mapping[str, Tensor]], shapes: Mapping[str, torch.Size]) -> None:
+        """Raise ``ValueError`` when saved residuals do not fit tensors of ``shapes`` on this rank."""
+        for kind in ("residuals", "residuals2"):
+            for name, res in state.get(kind, {}).items():
+                if name not in shapes:
+                    raise ValueError(f"its residual for {name!r} has no tensor of that name in the model")
+                lay = MatrixLayout.of(shapes[name], self.comm.world_size)
+                c0, c1 = lay.stripes[self.comm.rank]
+                expected = (lay.cols, lay.rows) if kind == "residuals" else (c1 - c0, lay.rows)
+                if tuple(res.shape) != expected:
+                    raise ValueError(
+                        f"its {kind} for {name!r} have shape {tuple(res.shape)}, this model needs {expected}"
+                    )
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        if self.quantized is None:
+            return
+        self.quantized.residuals = {n: r.float() for n, r in state.get("residuals", {}).items()}
+        self.quantized.residuals2 = {n: r.float() for n, r in state.get("residuals2", {}).items()}
+
+    def reset(self) -> None:
+        """Forget the residuals (they restart at zero)."""
+        if self.quantized is not None:
+            self.quantized.reset()
+
+
+def check_exchange_args(bits: int, half_dtype: str, small_tensor_numel: int, name: str = "bits") -> None:
+    """Construction-time checks of the exchange's arguments; ``name`` is the caller's argument name."""
+    if isinstance(bits, bool) or bits not in EXCHANGE_BITS:
+        raise ValueError(f"{name}={bits!r} is not supported; choose one of {EXCHANGE_BITS}")
+    if half_dtype not in HALF_DTYPES:
+        raise ValueError(f"half_dtype={half_dtype!r} is not supported; choose one of {tuple(HALF_DTYPES)}")
+    if isinstance(small_tensor_numel, bool) or not isinstance(small_tensor_numel, int) or small_tensor_numel < 0:
+        raise ValueError(f"small_tensor_numel must be an int >= 0, got {small_tensor_numel!r}")

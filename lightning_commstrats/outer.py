@@ -1,0 +1,231 @@
+"""Outer optimizers of the periodic schemes: the one global copy of the weights and the rule that steps it.
+
+Pure tensor code, no Lightning and no communication. Every periodic scheme of the package (model
+averaging, BMUF, local SGD, DiLoCo, Streaming DiLoCo) is the same loop: workers train alone from a
+start point ``w_start`` for a block of ``H`` inner steps, then the *pseudo-gradient*
+
+    G = w_start - mean over ranks(w_local)        (a descent direction, like a gradient)
+
+is handed to an outer optimizer that steps the global copy, and every rank restarts from the new
+start point. Which outer optimizer makes which scheme:
+
+- model averaging: ``torch.optim.SGD(lr=1, momentum=0)``: ``w = w_start - G = mean(w_local)``;
+- DiLoCo (Douillard et al. 2023): ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``;
+- BMUF (Chen & Huo 2016): :class:`BlockMomentum`, the block-momentum filter;
+- any other ``torch.optim.Optimizer`` (Adam as the outer optimizer, say) by class.
+
+:class:`OuterOptimizer` holds the global copy as one flat float32 tensor per *fragment* (one
+fragment for the classic schemes; Streaming DiLoCo syncs fragments in turn) and the optimizer over
+those tensors; it is the only place the global model lives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
+
+OuterFactory = Callable[[list[Parameter]], Optimizer]
+
+
+def block_momentum_from_time_constant(time_constant: float, sync_period: float) -> float:
+    """``exp(-sync_period / time_constant)``: the block momentum of a given time constant (CNTK's
+    ``blockMomentumAsTimeConstant``), both in the same unit (samples or steps)."""
+    if not time_constant > 0:
+        raise ValueError(f"block_momentum_as_time_constant must be > 0, got {time_constant}")
+    return math.exp(-sync_period / time_constant)
+
+
+def time_constant_from_block_momentum(block_momentum: float, sync_period: float) -> float:
+    """``-sync_period / ln(block_momentum)`` (0 for no momentum)."""
+    return -sync_period / math.log(block_momentum) if block_momentum > 0 else 0.0
+
+
+class BlockMomentum(Optimizer):
+    """The BMUF block-momentum filter (Chen & Huo, ICASSP 2016) as an optimizer over the global model.
+
+    The parameter is the global model ``w_global``; its gradient is the pseudo-gradient
+    ``G = w_start - w_avg`` of the block that just ended. With ``eta = momentum``, ``zeta = lr``::
+
+        delta    = eta * delta - zeta * G          (the paper's  eta * delta + zeta * (w_avg - w_start))
+        w_global = w_global + delta
+        w_start  = w_global + eta * delta          (Nesterov, the default: where the next block starts)
+                 = w_global                        (classical block momentum)
+
+    ``momentum=0, lr=1, nesterov=False`` returns ``w_avg``: plain model averaging. The look-ahead
+    point is only where the workers start; validation and checkpoints use ``w_global``
+    (:meth:`start_point` versus the parameter itself).
+
+    Args:
+        params: the global model's tensors.
+        lr: the block learning rate ``zeta`` > 0.
+        momentum: the block momentum ``eta`` in [0, 1).
+        nesterov: start blocks from the look-ahead point.
+    """
+
+    def __init__(self, params: Any, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = True) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"block_momentum must be in [0, 1), got {momentum}")
+        if not lr > 0:
+            raise ValueError(f"block_learning_rate must be > 0, got {lr}")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("BlockMomentum.step takes no closure")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                delta = self.state[p].get("delta")
+                if delta is None:
+                    delta = self.state[p]["delta"] = torch.zeros_like(p)
+                delta.mul_(group["momentum"]).sub_(p.grad, alpha=group["lr"])
+                p.add_(delta)
+
+    @torch.no_grad()
+    def start_point(self, p: Tensor) -> Tensor:
+        """Where the next block of ``p`` starts: ``w_global + eta * delta`` with Nesterov, else ``w_global``."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        delta = self.state[p].get("delta")
+        if not group["nesterov"] or delta is None:
+            return p
+        return p + group["momentum"] * delta
+
+
+def resolve_outer_optimizer(
+    outer_optimizer: str | type[Optimizer] | OuterFactory | None,
+    lr: float,
+    momentum: float,
+    kwargs: dict[str, Any] | None = None,
+) -> OuterFactory:
+    """A factory ``params -> Optimizer`` from what a user gives, checked now (at construction).
+
+    Args:
+        outer_optimizer: ``None`` (Nesterov SGD), a class path (``"torch.optim.Adam"``), an
+            ``Optimizer`` subclass (built with ``lr``, and ``momentum`` / ``nesterov`` where its
+            constructor takes them, plus ``kwargs``), or a callable ``params -> Optimizer``.
+        lr: the outer learning rate.
+        momentum: the outer momentum, for optimizers that take one (Nesterov when > 0 for SGD).
+        kwargs: further constructor arguments.
+
+    Raises:
+        ValueError: naming ``outer_optimizer`` when it does not resolve to a ``torch.optim.Optimizer``.
+    """
+    extra = dict(kwargs or {})
+    spec: Any = torch.optim.SGD if outer_optimizer is None else outer_optimizer
+    if isinstance(spec, str):
+        module, _, name = spec.rpartition(".")
+        try:
+            spec = getattr(importlib.import_module(module or "torch.optim"), name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"outer_optimizer={outer_optimizer!r} cannot be imported: {err}") from err
+    if inspect.isclass(spec):
+        if not issubclass(spec, Optimizer):
+            raise ValueError(f"outer_optimizer={outer_optimizer!r} is not a torch.optim.Optimizer subclass")
+        accepted = inspect.signature(spec).parameters
+        built = {"lr": lr, **extra}
+        if "momentum" in accepted:
+            built.setdefault("momentum", momentum)
+        if "nesterov" in accepted and built.get("momentum", 0):
+            built.setdefault("nesterov", True)
+        cls = spec
+
+        def factory(params: list[Parameter]) -> Optimizer:
+            return cls(params, **built)
+
+    elif callable(spec):
+        if extra:
+            raise ValueError("outer_optimizer_kwargs are only used when outer_optimizer is a class or class path")
+        factory = spec
+    else:
+        raise ValueError(f"outer_optimizer={outer_optimizer!r} must be a class path, an Optimizer class or a callable")
+    try:
+        probe = factory([Parameter(torch.zeros(2))])
+    except Exception as err:  # the user's arguments: report them with the argument's name
+        raise ValueError(f"outer_optimizer={outer_optimizer!r} could not be built: {err}") from err
+    if not isinstance(probe, Optimizer):
+        raise ValueError(
+            f"outer_optimizer={outer_optimizer!r} returned {type(probe).__name__}, not a torch.optim.Optimizer"
+        )
+    return factory
+
+
+class OuterOptimizer:
+    """The global copy of the weights (flat float32, one tensor per fragment) and its outer optimizer.
+
+    Args:
+        factory: builds the optimizer over the global tensors (see :func:`resolve_outer_optimizer`).
+
+    Attributes:
+        syncs: outer steps taken, per fragment.
+    """
+
+    def __init__(self, factory: OuterFactory) -> None:
+        self.factory = factory
+        self.weights: list[Parameter] = []
+        self.optimizer: Optimizer | None = None
+        self.syncs: list[int] = []
+
+    @property
+    def started(self) -> bool:
+        return self.optimizer is not None
+
+    def start(self, fragments: Sequence[Tensor]) -> None:
+        """Begin from these weights (identical on every rank), one flat tensor per fragment."""
+        self.weights = [Parameter(f.detach().to(torch.float32, copy=True)) for f in fragments]
+        self.optimizer = self.factory(self.weights)
+        self.syncs = [0] * len(self.weights)
+
+    def global_weights(self, fragment: int) -> Tensor:
+        """The global model of ``fragment`` (what validation and checkpoints see)."""
+        return self.weights[fragment].detach()
+
+    def start_point(self, fragment: int) -> Tensor:
+        """Where workers start the next block of ``fragment`` (the look-ahead point for Nesterov BMUF)."""
+        p = self.weights[fragment]
+        start = getattr(self.optimizer, "start_point", None)
+        return (start(p) if start is not None else p).detach()
+
+    def step(self, fragment: int, pseudo_grad: Tensor) -> None:
+        """One outer step of ``fragment`` with the averaged pseudo-gradient (identical on every rank)."""
+        assert self.optimizer is not None, "call start() first"
+        p = self.weights[fragment]
+        p.grad = pseudo_grad.to(torch.float32)
+        self.optimizer.step()
+        p.grad = None
+        self.syncs[fragment] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"weights": None}
+        return {
+            "weights": [w.detach() for w in self.weights],
+            "optimizer": self.optimizer.state_dict(),
+            "syncs": list(self.syncs),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        if state["weights"] is None:
+            self.weights, self.optimizer, self.syncs = [], None, []
+            return
+        self.start([w.to(device) for w in state["weights"]])
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.syncs = list(state["syncs"])
+
+    def check_state(self, state: dict[str, Any], sizes: Sequence[int]) -> None:
+        """Raise ``ValueError`` when a saved state does not fit fragments of these sizes."""
+        if state["weights"] is None:
+            return
+        saved = [int(w.numel()) for w in state["weights"]]
+        if saved != list(sizes):
+            raise ValueError(f"its global model has fragments of {saved} weights, this run needs {list(sizes)}")

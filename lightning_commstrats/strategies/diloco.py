@@ -1,0 +1,99 @@
+"""``diloco``: local inner steps, an outer Nesterov step on the averaged pseudo-gradient (Douillard et al. 2023)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy
+
+
+class DiLoCoStrategy(PeriodicSyncStrategy):
+    """DiLoCo: every ``sync_period`` inner steps, an outer optimizer steps the global model with the
+    averaged pseudo-gradient, sent compressed if asked.
+
+    Stores the global model and the outer optimizer's state (Nesterov momentum), the block
+    counters and, per rank, the local weights, the inner optimizer's state and the quantization
+    residuals of the pseudo-gradient (all checkpointed; a run resumed mid-block continues exactly).
+
+    The algorithm:
+
+    1. every rank trains alone with the optimizer its LightningModule configures (the inner
+       optimizer: AdamW in the paper and in the recipes) for ``sync_period`` steps (or samples per
+       worker), starting from the global model ``w``;
+    2. the pseudo-gradient ``G = w - w_local`` is averaged over ranks: fp32, or ``pseudo_grad_bits``
+       per value with per-column scales and error feedback (what quantization lost is added to the
+       next sync's ``G``), through an all-to-all of packed stripes and an all-gather;
+    3. the outer optimizer takes one step on ``w`` with ``G`` as its gradient (Nesterov SGD,
+       ``lr=0.7``, ``momentum=0.9`` by default), and every rank restarts from the new ``w``.
+
+    Bytes per step and rank are about ``2 (N-1)/N`` of the model times ``pseudo_grad_bits / 8``,
+    divided by ``sync_period``: ``32 H / b`` times fewer than fp32 DDP (plus the per-column scales).
+
+    Hyperparameters:
+
+    - ``sync_period`` (``H``): the paper uses 500 steps for 150M-400M parameter models; small
+      models and short runs want smaller ``H`` (tens of steps): a block must be long enough to
+      amortise the exchange, short enough that the workers' models stay close. Too large: the
+      averaged pseudo-gradient points nowhere useful and quality drops; too small: bytes wasted.
+    - ``outer_lr`` and ``outer_momentum``: the paper's 0.7 and 0.9 with Nesterov (with inner AdamW).
+      ``outer_lr=1, outer_momentum=0`` is model averaging. If quality oscillates across syncs,
+      lower ``outer_lr`` first.
+    - ``outer_optimizer``: any ``torch.optim.Optimizer`` (class, class path, or callable
+      ``params -> Optimizer``); the paper found Nesterov best, Adam as the outer one unstable.
+    - ``pseudo_grad_bits``: 32 (the paper), 16, 8 (INTELLECT-1's int8 all-reduce: comparable
+      quality at a quarter of the bytes), 4 (Streaming DiLoCo) or 2 (with error feedback, as
+      MuLoCo/SparseLoCo); fewer bits add noise to the outer step that error feedback repays later.
+    - ``parallelization_start``: fully synchronous steps (gradients all-reduced) before the first
+      block: a warm start, useful when the very first steps move the weights far.
+    - ``reset_sgd_momentum``: zero the inner optimizer's first moment after each sync (default
+      False: DiLoCo keeps the inner AdamW state across syncs).
+
+    References: A. Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+    Models", 2023; S. Jaghouar et al., "INTELLECT-1 Technical Report", 2024.
+
+    Args:
+        sync_period: inner steps (or samples per worker) between syncs (default 500).
+        sync_period_unit: ``"steps"`` (default) or ``"samples"``.
+        outer_optimizer: ``None`` (Nesterov SGD), class path, ``Optimizer`` subclass or callable.
+        outer_lr: outer learning rate (default 0.7).
+        outer_momentum: outer momentum (default 0.9; Nesterov with SGD).
+        outer_optimizer_kwargs: further outer optimizer arguments.
+        pseudo_grad_bits: 32 (default), 16, 8, 4 or 2.
+        parallelization_start: warm start, in ``sync_period_unit``.
+        reset_sgd_momentum: zero the inner first moment after each sync.
+        **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`
+            arguments (``small_tensor_numel``, ``half_dtype``, ``backend``...).
+
+    Example::
+
+        strategy = lightning_commstrats.DiLoCoStrategy(sync_period=50, pseudo_grad_bits=8)
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy)
+    """
+
+    strategy_name = "diloco"
+
+    def __init__(
+        self,
+        sync_period: int = 500,
+        sync_period_unit: str = "steps",
+        outer_optimizer: Any = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_optimizer_kwargs: dict[str, Any] | None = None,
+        pseudo_grad_bits: int = 32,
+        parallelization_start: int = 0,
+        reset_sgd_momentum: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            sync_period=sync_period,
+            sync_period_unit=sync_period_unit,
+            parallelization_start=parallelization_start,
+            reset_sgd_momentum=reset_sgd_momentum,
+            outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            outer_optimizer_kwargs=outer_optimizer_kwargs,
+            pseudo_grad_bits=pseudo_grad_bits,
+            **kwargs,
+        )

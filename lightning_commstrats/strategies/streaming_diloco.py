@@ -1,0 +1,105 @@
+"""``streaming_diloco``: DiLoCo with the model synced in fragments, each exchange overlapped with inner steps
+(Douillard et al. 2025)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_commstrats.strategies.diloco import DiLoCoStrategy
+
+
+class StreamingDiLoCoStrategy(DiLoCoStrategy):
+    """Streaming DiLoCo: fragments of the model take turns to sync, each exchange hidden behind compute.
+
+    Stores what ``diloco`` stores, per fragment (global copy, outer momentum, block start), plus an
+    exchange in flight (its averaged pseudo-gradient and the step it lands at): a checkpoint taken
+    while a fragment is on the wire resumes exactly.
+
+    The algorithm:
+
+    1. the parameters are cut into ``num_fragments`` fragments (contiguous in registration order,
+       about equal in size, so a fragment is a few consecutive layers);
+    2. fragment ``f`` syncs every ``sync_period`` inner steps, at offset ``(f + 1) H / F``: the
+       fragments take turns, one every ``H / F`` steps;
+    3. at its turn, the fragment's pseudo-gradient ``G_f = w_f - w_local_f`` starts its exchange in
+       a background thread, on a communication channel of its own (a second gloo/NCCL process group
+       or a duplicated MPI communicator), quantized to ``pseudo_grad_bits`` with error feedback,
+       while the inner optimizer keeps training;
+    4. ``fragment_sync_delay`` (``tau``) steps later the averaged ``G_f`` is waited for, the outer
+       optimizer steps ``w_f``, and the local fragment becomes
+       ``alpha * w_local_f + (1 - alpha) * w_f`` (``fragment_update_alpha``).
+
+    Bytes per step equal ``diloco``'s at the same period and bits, but the peak is one fragment
+    (``1/F`` of the model) in flight at a time, and the exchange overlaps ``tau`` inner steps.
+
+    Hyperparameters:
+
+    - ``num_fragments`` (``F``): more fragments lower the peak bandwidth and the bytes in flight;
+      each fragment is still synced every ``H`` steps. The paper found quality flat in ``F``.
+    - ``fragment_sync_delay`` (``tau``): how many inner steps the exchange has to complete. It must
+      cover the exchange's wire time (fragment bytes / link rate) to hide it fully; larger ``tau``
+      means the update lands on weights that moved on (the paper: up to 5 steps at ``H=100`` cost
+      little). Must be < ``H / F``, so one fragment at most is in flight.
+    - ``fragment_update_alpha``: 0 (default) replaces the local fragment by the global one and
+      loses the ``tau`` local steps on that fragment; the paper's 0.5 keeps half of them.
+    - ``pseudo_grad_bits``: 4 by default (the paper's 4-bit outer gradients); 8 or 2 also work.
+    - ``sync_period``, ``outer_lr``, ``outer_momentum``, ``outer_optimizer``: as ``diloco``.
+
+    The schedule counts optimizer steps (``sync_period_unit="steps"``). Fragments are contiguous
+    runs of parameters; the paper's strided assignment (layer ``i`` to fragment ``i mod F``) is
+    not offered.
+
+    Reference: A. Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
+    Distributed Free Lunch", 2025.
+
+    Args:
+        sync_period: inner steps between two syncs of the same fragment (default 100).
+        num_fragments: fragments of the model (default 4; at most the number of parameter tensors).
+        fragment_sync_delay: inner steps an exchange overlaps (default 5; 0 blocks).
+        fragment_update_alpha: mixing weight of the local fragment, in [0, 1] (default 0).
+        pseudo_grad_bits: 32, 16, 8, 4 (default) or 2.
+        outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs, parallelization_start,
+            reset_sgd_momentum: as :class:`DiLoCoStrategy`.
+        **kwargs: :class:`~lightning_commstrats.strategies.base.CommStrategy` arguments.
+
+    Example::
+
+        strategy = lightning_commstrats.StreamingDiLoCoStrategy(sync_period=32, num_fragments=4, fragment_sync_delay=2)
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy)
+    """
+
+    strategy_name = "streaming_diloco"
+
+    def __init__(
+        self,
+        sync_period: int = 100,
+        num_fragments: int = 4,
+        fragment_sync_delay: int = 5,
+        fragment_update_alpha: float = 0.0,
+        pseudo_grad_bits: int = 4,
+        outer_optimizer: Any = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_optimizer_kwargs: dict[str, Any] | None = None,
+        parallelization_start: int = 0,
+        reset_sgd_momentum: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        unit = kwargs.pop("sync_period_unit", "steps")
+        if unit != "steps":
+            raise ValueError(f"streaming_diloco counts optimizer steps; sync_period_unit={unit!r} is not allowed")
+        super().__init__(
+            sync_period=sync_period,
+            sync_period_unit="steps",
+            outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            outer_optimizer_kwargs=outer_optimizer_kwargs,
+            pseudo_grad_bits=pseudo_grad_bits,
+            parallelization_start=parallelization_start,
+            reset_sgd_momentum=reset_sgd_momentum,
+            num_fragments=num_fragments,
+            fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+            **kwargs,
+        )
