@@ -13,7 +13,9 @@ into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that 
 ``model_kwargs`` (model arguments; model "lm" is a small LanguageModel on synthetic tokens, and a
 strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``precision``
 (``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
-that rank at that step) and ``state_trace`` (keep the strategy's state after every step).
+that rank at that step), ``state_trace`` (keep the strategy's state after every step) and
+``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
+average).
 """
 
 from __future__ import annotations
@@ -183,6 +185,18 @@ class StateTrace(L.Callback):
         )
 
 
+def record_pseudo_gradients(strategy: Any, out: list[dict[str, Any]]) -> None:
+    """Wrap the strategy's pseudo-gradient averaging: keep, per call, the step, this rank's tensors and the averages."""
+    average = strategy.average_pseudo_gradient
+
+    def recorded(named: dict[str, torch.Tensor]) -> None:
+        mine = clone(named)
+        average(named)
+        out.append({"step": strategy.optimizer_steps, "mine": mine, "avg": clone(named)})
+
+    strategy.average_pseudo_gradient = recorded
+
+
 def clone(value: Any) -> Any:
     return apply_to_collection(value, torch.Tensor, lambda t: t.detach().clone())
 
@@ -222,6 +236,9 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     if sc.get("resume"):
         source, step = sc["resume"]
         ckpt_path = out / source / f"step={step}.ckpt"
+    exchanges: list[dict[str, Any]] = []
+    if sc.get("record_exchange"):
+        record_pseudo_gradients(strategy, exchanges)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=sc.get("devices", 2),
@@ -249,6 +266,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "rows": trace.rows,
         "states": states.states,
         "precision": trainer.precision_plugin.state_dict(),
+        "exchanges": exchanges,
     }
     if ours:
         stats = trainer.strategy.comm_stats
