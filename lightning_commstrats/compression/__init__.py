@@ -2,7 +2,12 @@
 component over them, row selection."""
 
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
-from lightning_commstrats.compression.exchange import EXCHANGE_BITS, BucketedAllReduce, TensorExchange
+from lightning_commstrats.compression.exchange import (
+    EXCHANGE_BITS,
+    BucketedAllReduce,
+    GradientCompression,
+    TensorExchange,
+)
 from lightning_commstrats.compression.quantizers import CODEC_BITS, ColumnCodec, pack_bits, packed_bytes, unpack_bits
 from lightning_commstrats.compression.rows import batch_token_ids, most_frequent, random_rows, resolve_count, union
 
@@ -11,6 +16,7 @@ __all__ = [
     "EXCHANGE_BITS",
     "BucketedAllReduce",
     "ColumnCodec",
+    "GradientCompression",
     "MatrixLayout",
     "QuantizedAllReduce",
     "TensorExchange",

@@ -28,6 +28,7 @@ from lightning_commstrats.compression.aggregation import MatrixLayout, Quantized
 from lightning_commstrats.compression.quantizers import ColumnCodec
 
 EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
+WARM_START_UNITS = ("samples", "steps")
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -148,6 +149,73 @@ class TensorExchange:
         """Forget the residuals (they restart at zero)."""
         if self.quantized is not None:
             self.quantized.reset()
+
+
+class GradientCompression:
+    """How a gradient scheme averages its gradients: the codec, a full-precision warm start, and the
+    :class:`TensorExchange` (with its residuals) once bound to the ranks.
+
+    ``onebit_sgd``, ``sampled_vocab`` and ``expert_parallel`` each hold one, so any of them composes
+    with any codec.
+
+    Args:
+        bits: 1, 2, 4, 8, 16 or 32 (see :class:`TensorExchange`).
+        distributed_after: exchange in fp32 until this many ``distributed_after_unit`` have been
+            trained (CNTK's ``distributedAfterSampleCount``), then quantize.
+        distributed_after_unit: ``"samples"`` (over all ranks, CNTK's unit) or ``"steps"``.
+        small_tensor_numel: tensors this small (or 1-D) always travel in fp32.
+        half_dtype: the 16-bit format.
+    """
+
+    def __init__(
+        self,
+        bits: int = 32,
+        distributed_after: int = 0,
+        distributed_after_unit: str = "samples",
+        small_tensor_numel: int = 1024,
+        half_dtype: str = "float16",
+    ) -> None:
+        check_exchange_args(bits, half_dtype, small_tensor_numel, name="num_quantization_bits")
+        if isinstance(distributed_after, bool) or not isinstance(distributed_after, int) or distributed_after < 0:
+            raise ValueError(f"distributed_after must be an int >= 0, got {distributed_after!r}")
+        if distributed_after_unit not in WARM_START_UNITS:
+            raise ValueError(
+                f"distributed_after_unit={distributed_after_unit!r} is not supported; choose one of {WARM_START_UNITS}"
+            )
+        self.bits = bits
+        self.distributed_after = distributed_after
+        self.distributed_after_unit = distributed_after_unit
+        self.small_tensor_numel = small_tensor_numel
+        self.half_dtype = half_dtype
+        self.exchange: TensorExchange | None = None
+
+    def bind(self, comm: Communicator, bucket_cap_mb: float) -> TensorExchange:
+        """The exchange over ``comm`` (made on first use; residuals start at zero)."""
+        if self.exchange is None:
+            self.exchange = TensorExchange(
+                comm,
+                self.bits,
+                half_dtype=self.half_dtype,
+                small_tensor_numel=self.small_tensor_numel,
+                tag="grad",
+                bucket_cap_mb=bucket_cap_mb,
+            )
+        return self.exchange
+
+    def quantizing(self, samples_seen: int, steps: int) -> bool:
+        """Whether a step that starts after ``samples_seen`` samples (all ranks) and ``steps`` steps quantizes."""
+        if self.bits == 32:
+            return False
+        seen = steps if self.distributed_after_unit == "steps" else samples_seen
+        return seen >= self.distributed_after
+
+    def average(self, named: Mapping[str, Tensor], *, samples_seen: int, steps: int) -> None:
+        """Average ``named`` gradients over the bound ranks in place (fp32 during the warm start)."""
+        assert self.exchange is not None, "bind() first"
+        self.exchange.average(named, quantize=self.quantizing(samples_seen, steps))
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        return self.exchange.state_dict() if self.exchange is not None else {"residuals": {}, "residuals2": {}}
 
 
 def check_exchange_args(bits: int, half_dtype: str, small_tensor_numel: int, name: str = "bits") -> None:

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
+from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT, CommStrategy
 
 
@@ -87,6 +88,21 @@ class AllReduceStrategy(CommStrategy):
         Override in gradient-compression schemes. Every rank must return the same tensor.
         """
         return self.comm.all_reduce(flat_grad, "avg", tag="grad")
+
+    def exchange_compressed(self, compression: GradientCompression, params: Sequence[torch.nn.Parameter]) -> None:
+        """Average the gradients of ``params`` through ``compression``: quantized matrices (after its
+        warm start) and fp32 small tensors."""
+        compression.bind(self.comm, self.bucket_cap_mb)
+        compression.average(
+            {self.param_name(p): dense_grad(p) for p in params},
+            samples_seen=self._samples_at_step * self.world_size,
+            steps=self.optimizer_steps,
+        )
+
+    def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` when a checkpoint's residuals do not fit this model and world."""
+        shapes = {n: p.shape for n, p in self.lightning_module.named_parameters()}
+        compression.bind(self.comm, self.bucket_cap_mb).check_state(rank_state, shapes)
 
 
 def dense_grad(p: torch.nn.Parameter) -> Tensor:

@@ -10,9 +10,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.comm import Communicator
+from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.moe.layer import MoELayer
-from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
-from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
+from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def layout_groups(world_size: int, dp: int, ep: int, inner: str) -> tuple[list[l
     return ep_groups, dp_groups
 
 
-class ExpertParallelStrategy(OneBitSGDStrategy):
+class ExpertParallelStrategy(AllReduceStrategy):
     """Expert parallelism for mixture-of-experts models, in a data x expert parallel layout.
 
     Stores the expert-parallel and data-parallel communicators; every rank's experts and optimizer
@@ -73,7 +73,9 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
         dp_size: replicas of each expert (default: world size / ``ep_size``).
         inner: ``"dp"`` or ``"ep"``: which dimension is on neighbouring ranks.
         num_quantization_bits: dense-gradient exchange: 32 (fp32 all-reduce) or 1, 2, 4, 8, 16.
-        **kwargs: :class:`OneBitSGDStrategy` / :class:`CommStrategy` arguments.
+        distributed_after, distributed_after_unit, small_tensor_numel, half_dtype: the warm start
+            and codec of the dense exchange, as in :class:`OneBitSGDStrategy`.
+        **kwargs: :class:`AllReduceStrategy` / :class:`CommStrategy` arguments.
     """
 
     strategy_name = "expert_parallel"
@@ -84,6 +86,10 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
         dp_size: int | None = None,
         inner: str = "dp",
         num_quantization_bits: int = 32,
+        distributed_after: int = 0,
+        distributed_after_unit: str = "samples",
+        small_tensor_numel: int = 1024,
+        half_dtype: str = "float16",
         **kwargs: Any,
     ) -> None:
         for name, value in (("ep_size", ep_size), ("dp_size", dp_size)):
@@ -91,7 +97,11 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if inner not in INNER:
             raise ValueError(f"inner={inner!r} is not supported; choose one of {INNER}")
-        super().__init__(num_quantization_bits=num_quantization_bits, **kwargs)
+        gradient_compression = GradientCompression(
+            num_quantization_bits, distributed_after, distributed_after_unit, small_tensor_numel, half_dtype
+        )
+        super().__init__(**kwargs)
+        self.compression = gradient_compression
         self._ep_size = ep_size
         self._dp_size = dp_size
         self.inner = inner
@@ -180,7 +190,7 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
         params = trainable_params(optimizer)
         experts = {id(p) for p in self.expert_params()}
         dense = [p for p in params if id(p) not in experts]
-        self.exchange_gradients(dense)
+        self.exchange_compressed(self.compression, dense)
         # An owner's expert gradient already sums the contributions of its whole expert-parallel
         # group (backward brought them through the all-to-all); summing over the replicas and
         # dividing by the world size gives the data-parallel average, as for dense parameters.
@@ -220,7 +230,7 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
     @override
     def rank_state_dict(self) -> dict[str, Any]:
         return {
-            **super().rank_state_dict(),
+            **self.compression.state_dict(),
             "experts": {self.param_name(p): p.detach() for p in self.expert_params()},
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "layout": [self.dp_size, self.ep_size, self.inner],
@@ -238,9 +248,16 @@ class ExpertParallelStrategy(OneBitSGDStrategy):
         for name, value in rank_state["experts"].items():
             if name not in params or params[name].shape != value.shape:
                 raise ValueError(f"its experts {name!r} {tuple(value.shape)} do not fit this model")
+        self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
+        self.compression.bind(self.comm, self.bucket_cap_mb).load_state_dict(rank_state)
         with torch.no_grad():
             for name, value in rank_state["experts"].items():
                 params[name].copy_(value)
         for optimizer, opt_state in zip(self.optimizers, rank_state["optimizers"], strict=True):
             optimizer.load_state_dict(opt_state)
+
+    @override
+    def reset_state(self) -> None:
+        if self.compression.exchange is not None:
+            self.compression.exchange.reset()

@@ -5,16 +5,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
-from lightning_commstrats.compression.exchange import TensorExchange, check_exchange_args
-from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
+from lightning_commstrats.compression.exchange import GradientCompression
+from lightning_commstrats.strategies.allreduce import AllReduceStrategy, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
-
-UNITS = ("samples", "steps")
 
 
 class OneBitSGDStrategy(AllReduceStrategy):
@@ -101,77 +98,36 @@ class OneBitSGDStrategy(AllReduceStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        check_exchange_args(num_quantization_bits, half_dtype, small_tensor_numel, name="num_quantization_bits")
-        if not isinstance(distributed_after, int) or distributed_after < 0:
-            raise ValueError(f"distributed_after must be an int >= 0, got {distributed_after!r}")
-        if distributed_after_unit not in UNITS:
-            raise ValueError(
-                f"distributed_after_unit={distributed_after_unit!r} is not supported; choose one of {UNITS}"
-            )
+        compression = GradientCompression(
+            num_quantization_bits, distributed_after, distributed_after_unit, small_tensor_numel, half_dtype
+        )
         super().__init__(
             bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
         )
-        self.num_quantization_bits = num_quantization_bits
-        self.distributed_after = distributed_after
-        self.distributed_after_unit = distributed_after_unit
-        self.small_tensor_numel = small_tensor_numel
-        self.half_dtype = half_dtype
-        self._exchange: TensorExchange | None = None
-        self._samples_before_step = 0
+        self.compression = compression
 
     @property
-    def gradient_exchange(self) -> TensorExchange:
-        """The component that averages the gradients (and holds the error-feedback residuals)."""
-        if self._exchange is None:
-            self._exchange = TensorExchange(
-                self.comm,
-                self.num_quantization_bits,
-                half_dtype=self.half_dtype,
-                small_tensor_numel=self.small_tensor_numel,
-                tag="grad",
-                bucket_cap_mb=self.bucket_cap_mb,
-            )
-        return self._exchange
-
-    @property
-    def quantizing(self) -> bool:
-        """Whether the coming exchange is quantized (bits < 32 and the warm start is over)."""
-        if self.num_quantization_bits == 32:
-            return False
-        if self.distributed_after_unit == "steps":
-            return self.optimizer_steps >= self.distributed_after
-        return self._samples_before_step * self.world_size >= self.distributed_after
+    def num_quantization_bits(self) -> int:
+        return self.compression.bits
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
         if self.world_size > 1:
-            self.exchange_gradients(trainable_params(optimizer))
-
-    def exchange_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Average the gradients of ``params``: quantized matrices and fp32 small tensors."""
-        self.gradient_exchange.average({self.param_name(p): dense_grad(p) for p in params}, quantize=self.quantizing)
-
-    @override
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        self._samples_before_step = self.samples_per_worker
+            self.exchange_compressed(self.compression, trainable_params(optimizer))
 
     # ------------------------------------------------------------------ checkpointed state
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        if self._exchange is None:
-            return {"residuals": {}, "residuals2": {}}
-        return self._exchange.state_dict()
+        return self.compression.state_dict()
 
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        shapes = {n: p.shape for n, p in self.lightning_module.named_parameters()}
-        self.gradient_exchange.check_state(rank_state, shapes)
+        self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
-        self._samples_before_step = self.samples_per_worker
-        self.gradient_exchange.load_state_dict(rank_state)
+        self.compression.bind(self.comm, self.bucket_cap_mb).load_state_dict(rank_state)
 
     @override
     def reset_state(self) -> None:
-        if self._exchange is not None:
-            self._exchange.reset()
+        if self.compression.exchange is not None:
+            self.compression.exchange.reset()

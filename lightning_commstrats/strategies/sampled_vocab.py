@@ -13,14 +13,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.compression import batch_token_ids, most_frequent, random_rows, resolve_count, union
-from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
+from lightning_commstrats.compression.exchange import GradientCompression
+from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
-from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
 
 log = logging.getLogger(__name__)
 
 
-class SampledVocabStrategy(OneBitSGDStrategy):
+class SampledVocabStrategy(AllReduceStrategy):
     """Data parallelism in which the vocabulary matrices exchange only the rows of sampled words.
 
     Stores the frequent-word set, the sampling seed, and with error feedback every rank's unsent
@@ -42,8 +42,9 @@ class SampledVocabStrategy(OneBitSGDStrategy):
     The input embedding's gradient is zero outside the minibatch words, so that part is exact; the
     output layer's softmax gradient touches every row, and the unselected rows' share is dropped
     (or, with ``error_feedback``, kept locally and sent when the row is next selected). All other
-    parameters are exchanged by the inner scheme: fp32 all-reduce (``num_quantization_bits=32``,
-    the default) or 1-bit SGD (``num_quantization_bits=1`` and the other ``onebit_sgd`` knobs).
+    parameters are exchanged by the strategy's :class:`~lightning_commstrats.compression.GradientCompression`:
+    fp32 all-reduce (``num_quantization_bits=32``, the default) or 1-bit SGD
+    (``num_quantization_bits=1`` and the other ``onebit_sgd`` knobs).
 
     Hyperparameters:
 
@@ -75,7 +76,9 @@ class SampledVocabStrategy(OneBitSGDStrategy):
         seed: seed of the random rows (the same on every rank).
         num_quantization_bits: inner scheme for the other parameters: 32 (fp32 all-reduce) or 1, 2,
             4, 8, 16 (``onebit_sgd``).
-        **kwargs: :class:`OneBitSGDStrategy` / :class:`CommStrategy` arguments.
+        distributed_after, distributed_after_unit, small_tensor_numel, half_dtype: the warm start
+            and codec of that exchange, as in :class:`OneBitSGDStrategy`.
+        **kwargs: :class:`AllReduceStrategy` / :class:`CommStrategy` arguments.
     """
 
     strategy_name = "sampled_vocab"
@@ -89,6 +92,10 @@ class SampledVocabStrategy(OneBitSGDStrategy):
         word_counts: list[int] | None = None,
         seed: int = 0,
         num_quantization_bits: int = 32,
+        distributed_after: int = 0,
+        distributed_after_unit: str = "samples",
+        small_tensor_numel: int = 1024,
+        half_dtype: str = "float16",
         backend: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: str = "popen",
@@ -97,13 +104,11 @@ class SampledVocabStrategy(OneBitSGDStrategy):
         for name, value in (("alpha", alpha), ("beta", beta)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a count >= 0 or a fraction in [0, 1], got {value!r}")
-        super().__init__(
-            num_quantization_bits=num_quantization_bits,
-            backend=backend,
-            timeout=timeout,
-            start_method=start_method,
-            **kwargs,
+        gradient_compression = GradientCompression(
+            num_quantization_bits, distributed_after, distributed_after_unit, small_tensor_numel, half_dtype
         )
+        super().__init__(backend=backend, timeout=timeout, start_method=start_method, **kwargs)
+        self.compression = gradient_compression
         self.alpha = alpha
         self.beta = beta
         self.vocab_param_names = vocab_params
@@ -177,7 +182,7 @@ class SampledVocabStrategy(OneBitSGDStrategy):
             return
         params = trainable_params(optimizer)
         vocab_ids = {id(p) for p in self._vocab}
-        self.exchange_gradients([p for p in params if id(p) not in vocab_ids])
+        self.exchange_compressed(self.compression, [p for p in params if id(p) not in vocab_ids])
         vocab = [p for p in params if id(p) in vocab_ids]
         if vocab:
             self._exchange_rows(vocab)
@@ -228,7 +233,7 @@ class SampledVocabStrategy(OneBitSGDStrategy):
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        return {**super().rank_state_dict(), "vocab_residuals": dict(self._residuals)}
+        return {**self.compression.state_dict(), "vocab_residuals": dict(self._residuals)}
 
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
@@ -236,10 +241,13 @@ class SampledVocabStrategy(OneBitSGDStrategy):
         for name, res in rank_state.get("vocab_residuals", {}).items():
             if name not in params or params[name].shape != res.shape:
                 raise ValueError(f"its vocabulary residual {name!r} {tuple(res.shape)} does not fit this model")
+        self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
+        self.compression.bind(self.comm, self.bucket_cap_mb).load_state_dict(rank_state)
         self._residuals = dict(rank_state.get("vocab_residuals", {}))
 
     @override
     def reset_state(self) -> None:
-        super().reset_state()
+        if self.compression.exchange is not None:
+            self.compression.exchange.reset()
         self._residuals = {}
