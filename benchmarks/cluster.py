@@ -37,6 +37,11 @@ class ClusterUnavailable(RuntimeError):
     """Network namespaces cannot be created here (not root, no ``ip``, or not permitted)."""
 
 
+def launcher_free_env() -> dict[str, str]:
+    """This environment without the rank variables of an enclosing launch, so a run starts its own."""
+    return {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 

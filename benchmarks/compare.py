@@ -1,27 +1,35 @@
-"""The standard comparison: this package's strategies next to what users would pick instead, on an
-emulated cluster of rate-limited links, with every figure measured in one run.
+"""The standard comparison, as a race: this package's strategies next to what users would pick
+instead, on an emulated cluster of rate-limited links, with every figure of a table measured in one run.
+
+Every entry trains until its validation perplexity reaches a fixed target (``--target-ppl``) or its
+training budget runs out (``--budget-seconds``; validation time is excluded from both the budget
+and the times reported). ``benchmarks/probe.py`` takes the stop decision on rank 0 after every
+validation (every ``--val-every`` steps) and broadcasts it, so it works under any strategy.
+``--trainer.max_steps`` (``--max-steps``) is only a safety cap. Each entry runs once per seed
+(``--seeds``, passed as ``--seed_everything``) and once per link rate (``--rates``, one folder each:
+``rate100/``, ``rate1000/``; ``loopback/`` without namespaces). Every folder gets ``results.md``
+with three tables (quality at equal samples, quality at equal training time, time to target with
+bytes and communication share), ratio lines of this package's best entry against the best peer,
+``results.json`` and PNG plots.
 
 Each rank runs in its own network namespace (``benchmarks/cluster.py``) and the job is a real
 multi-node launch (Lightning ``num_nodes=N``, ``MASTER_ADDR`` / ``NODE_RANK`` / ``WORLD_SIZE``).
-For every entry it records, per rank: the wall time of every step, validation perplexity against
-samples and wall time, the interface's ``tx_bytes`` and, for this package's strategies, the bytes in
-``comm_stats``. It writes one JSON per run, ``results.json``, ``results.md`` (the table) and PNG
-plots (perplexity against wall time, bytes per step) to ``--out``.
 
-    python benchmarks/compare.py                       # the standard comparison (make bench)
-    python benchmarks/compare.py --quick --loopback    # a smoke run on 2 ranks, seconds per entry
-    python benchmarks/compare.py --scaling             # ring all-reduce bytes per rank for 2, 4, 8 ranks
+    python benchmarks/compare.py                        # the standard race (make bench), hours
+    python benchmarks/compare.py --quick                # a smoke run on loopback, 2 ranks, tiny model
+    python benchmarks/compare.py --only ddp diloco_8bit --seeds 0   # a few entries (keys or labels)
+    python benchmarks/compare.py --scaling              # ring all-reduce bytes per rank for 2, 4, 8 ranks
 
 Without root (or where ``ip netns`` is refused) it runs on loopback instead and says so in every
 output: loopback has no rate limit, so times there say nothing about slow networks.
-``local_sgd`` needs ``mpiexec``, which cannot start ranks inside namespaces here (no remote
-launcher), so it runs on loopback and is labelled so.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import socket
 import statistics
@@ -36,30 +44,59 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from cluster import ClusterUnavailable, EmulatedCluster  # noqa: E402
-from lm_compare import launcher_free_env  # noqa: E402
+from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env  # noqa: E402
 
-from lightning_commstrats import cost_model  # noqa: E402
+# ---------------------------------------------------------------- the standard setting's constants
+# Measured once (not in the run they are used in), on this project's 2-core machine: 4 ranks,
+# lstm_demo.yaml, batch 32 windows per rank, AdamW, seed 0, validation on --val-batches 8 batches per
+# rank. The run: `python benchmarks/compare.py --loopback --only ddp --seeds 0 --target-ppl 1
+# --budget-seconds 300`; its curve is in benchmarks/results/standard/calibration.md.
+STANDARD_TARGET_PPL = 250.0
+DDP_STEPS_TO_TARGET = 160  # ddp's first validation at or below the target (seed 0)
+DDP_COMPUTE_SECONDS_PER_STEP = 0.70  # ddp on loopback, 4 ranks on 2 cores: training seconds per step
+DDP_BYTES_PER_STEP = 18.6e6  # bytes per rank and step on the interface (ring all-reduce of fp32 gradients)
+BUDGET_FACTOR = 1.5
+# The smoke run (--quick: lstm_tiny.yaml, 2 ranks, loopback): a target ddp reaches within seconds.
+QUICK_TARGET_PPL = 150.0
+QUICK_BUDGET_SECONDS = 8.0
+
+# Every entry uses the same inner optimizer: the config's learning rate, AdamW.
+INNER_OPTIMIZER = ["--model.optimizer=adamw", "--model.weight_decay=0.01"]
+WARM_STEPS = 16  # warm start in fp32 DDP steps for PowerSGD, post-local SGD and 1-bit SGD
+DILOCO_H = 32  # inner steps between outer steps for every DiLoCo entry (paper: 500, longer than the race)
+
+
+def default_budget(rate_mbit: float | None) -> float:
+    """``BUDGET_FACTOR`` x ddp's estimated training seconds to the standard target at this rate
+    (``None``: loopback): compute per step plus its ring all-reduce bytes at the link rate."""
+    link = 0.0 if rate_mbit is None else DDP_BYTES_PER_STEP * 8 / (rate_mbit * 1e6)
+    return BUDGET_FACTOR * DDP_STEPS_TO_TARGET * (DDP_COMPUTE_SECONDS_PER_STEP + link)
 
 
 @dataclass
 class Entry:
+    key: str  # folder name and --only handle
     label: str
     strategy: Any  # a registry name or a {"class_path", "init_args"} dict
     kind: str  # "peer", "ours" or "limit"
-    predict: str = ""  # cost-model scheme
-    extra: list[str] = field(default_factory=list)
-    mpi: bool = False
+    predict: dict[str, Any] = field(default_factory=dict)  # cost-model scheme, see predicted_comm()
 
 
-def entries(steps: int, quick: bool) -> list[Entry]:
-    warm = max(steps // 10, 2)  # PowerSGD needs 2+ plain steps
-    out = [
-        Entry("alone (no communication)", "auto", "limit"),
-        Entry("ddp", "ddp", "peer", "ring"),
-        Entry("ddp + fp16_compress_hook", {"class_path": "peers.FP16CompressDDP"}, "peer", "fp16"),
+def entries() -> list[Entry]:
+    h, warm = DILOCO_H, WARM_STEPS
+    return [
+        Entry("alone", "alone (1 rank, no communication)", "auto", "limit"),
+        Entry("ddp", "ddp", "ddp", "peer", {"scheme": "ring"}),
         Entry(
-            "ddp + powerSGD r1",
+            "fp16",
+            "ddp + fp16_compress_hook",
+            {"class_path": "peers.FP16CompressDDP"},
+            "peer",
+            {"scheme": "ring", "scale": 0.5},
+        ),
+        Entry(
+            "powersgd_r1",
+            f"ddp + powerSGD r1 (torch default rank; start {warm})",
             {
                 "class_path": "peers.PowerSGDDDP",
                 "init_args": {"matrix_approximation_rank": 1, "start_powerSGD_iter": warm},
@@ -67,7 +104,8 @@ def entries(steps: int, quick: bool) -> list[Entry]:
             "peer",
         ),
         Entry(
-            "ddp + powerSGD r4",
+            "powersgd_r4",
+            f"ddp + powerSGD r4 (tuned: higher rank; start {warm})",
             {
                 "class_path": "peers.PowerSGDDDP",
                 "init_args": {"matrix_approximation_rank": 4, "start_powerSGD_iter": warm},
@@ -75,60 +113,131 @@ def entries(steps: int, quick: bool) -> list[Entry]:
             "peer",
         ),
         Entry(
-            "post-local SGD (period 8)",
-            {"class_path": "peers.PostLocalSGDDDP", "init_args": {"period": 8, "start_iter": warm}},
+            "postlocal_p4",
+            f"post-local SGD (period 4, torch docs; start {warm})",
+            {"class_path": "peers.PostLocalSGDDDP", "init_args": {"period": 4, "start_iter": warm}},
             "peer",
-            "periodic8",
+            {"scheme": "ring", "period": 4},
         ),
-        Entry("allreduce", "allreduce", "ours", "ring"),
+        Entry(
+            "postlocal_p16",
+            f"post-local SGD (period 16, tuned: fewer syncs; start {warm})",
+            {"class_path": "peers.PostLocalSGDDDP", "init_args": {"period": 16, "start_iter": warm}},
+            "peer",
+            {"scheme": "ring", "period": 16},
+        ),
+        Entry(
+            "diloco_peer",
+            f"diloco, plain torch (paper outer opt., H {h})",
+            {"class_path": "peers.DiLoCoDDP", "init_args": {"sync_period": h}},
+            "peer",
+            {"scheme": "ring", "period": h},
+        ),
+        Entry(
+            "diloco_peer_h16",
+            "diloco, plain torch (tuned: H 16)",
+            {"class_path": "peers.DiLoCoDDP", "init_args": {"sync_period": 16}},
+            "peer",
+            {"scheme": "ring", "period": 16},
+        ),
+        Entry("allreduce", "allreduce", "allreduce", "ours", {"scheme": "ring"}),
         Entry(
             "onebit_sgd",
+            f"onebit_sgd (start {warm})",
             {
                 "class_path": "lightning_commstrats.OneBitSGDStrategy",
                 "init_args": {"distributed_after": warm, "distributed_after_unit": "steps"},
             },
             "ours",
-            "onebit",
+            {"scheme": "onebit"},
         ),
         Entry(
             "sampled_vocab",
-            {
-                "class_path": "lightning_commstrats.SampledVocabStrategy",
-                "init_args": {"alpha": 0.2 if not quick else 0.5, "beta": 0.1},
-            },
+            "sampled_vocab",
+            {"class_path": "lightning_commstrats.SampledVocabStrategy", "init_args": {"alpha": 0.2, "beta": 0.1}},
             "ours",
-            "sampled",
         ),
         Entry(
+            "model_averaging",
             "model_averaging (period 8)",
             {
                 "class_path": "lightning_commstrats.ModelAveragingStrategy",
                 "init_args": {"sync_period": 8, "sync_period_unit": "steps"},
             },
             "ours",
-            "periodic8",
+            {"scheme": "ring", "period": 8},
         ),
         Entry(
+            "bmuf",
             "bmuf (period 8)",
             {
                 "class_path": "lightning_commstrats.BMUFStrategy",
                 "init_args": {"sync_period": 8, "sync_period_unit": "steps"},
             },
             "ours",
-            "periodic8",
+            {"scheme": "ring", "period": 8},
+        ),
+        *(
+            Entry(
+                f"diloco_{bits}bit",
+                f"diloco ({bits}-bit pseudo-gradients, H {h})",
+                {
+                    "class_path": "lightning_commstrats.DiLoCoStrategy",
+                    "init_args": {
+                        "sync_period": h,
+                        "sync_period_unit": "steps",
+                        "outer_lr": 0.7,
+                        "outer_momentum": 0.9,
+                        "pseudo_grad_bits": bits,
+                    },
+                },
+                "ours",
+                {"scheme": "ring", "period": h, "scale": bits / 32},
+            )
+            for bits in (8, 4)
         ),
         Entry(
-            "local_sgd (Q 8)",
-            {"class_path": "lightning_commstrats.LocalSGDStrategy", "init_args": {"sync_period": 8}},
+            "streaming_diloco",
+            f"streaming diloco (4 fragments, 4-bit, H {h})",
+            {
+                "class_path": "lightning_commstrats.StreamingDiLoCoStrategy",
+                "init_args": {
+                    "sync_period": h,
+                    "num_fragments": 4,
+                    "fragment_sync_delay": 1,
+                    "fragment_update_alpha": 0.0,
+                    "pseudo_grad_bits": 4,
+                },
+            },
             "ours",
-            "periodic8",
-            mpi=True,
+            {"scheme": "ring", "period": h, "scale": 4 / 32},
         ),
     ]
-    if quick:
-        keep = {"alone (no communication)", "ddp", "ddp + powerSGD r1", "allreduce", "onebit_sgd", "bmuf (period 8)"}
-        out = [e for e in out if e.label in keep]
-    return out
+
+
+# What `--quick` runs by default: one entry of each family.
+QUICK_KEYS = (
+    "alone",
+    "ddp",
+    "powersgd_r1",
+    "postlocal_p4",
+    "diloco_peer",
+    "allreduce",
+    "onebit_sgd",
+    "bmuf",
+    "diloco_8bit",
+    "streaming_diloco",
+)
+
+
+def select(every: list[Entry], only: list[str] | None) -> list[Entry]:
+    if not only:
+        return every
+    known = {e.key for e in every} | {e.label for e in every}
+    unknown = [o for o in only if o not in known]
+    if unknown:
+        raise SystemExit(f"unknown entries {unknown}; keys: {[e.key for e in every]}")
+    return [e for e in every if e.key in only or e.label in only]
 
 
 def _free_port() -> int:
@@ -137,13 +246,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(entry: Entry, args: argparse.Namespace, cluster: EmulatedCluster | None, run_dir: Path) -> float:
-    """Run one entry on ``args.ranks`` ranks; returns the wall seconds of the whole job."""
+def settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
+    """What makes rows comparable: a table only uses rows measured under the same settings."""
+    return {
+        "where": where,
+        "config": Path(args.config).name,
+        "ranks": args.ranks,
+        "batch_size": args.batch_size,
+        "target_ppl": args.target_ppl,
+        "budget_seconds": args.budget_seconds,
+        "val_every": args.val_every,
+        "val_batches": args.val_batches,
+        "max_steps": args.max_steps,
+        "recipe_args": args.recipe_args,
+    }
+
+
+def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedCluster | None, run_dir: Path) -> float:
+    """Run one entry with one seed on ``args.ranks`` ranks; returns the wall seconds of the whole job."""
     n = args.ranks
     alone = entry.kind == "limit"
 
     def probe(out: Path) -> str:
-        init = {"out": str(out), "samples_per_step": args.batch_size * (1 if alone else n)}
+        init = {
+            "out": str(out),
+            "samples_per_step": args.batch_size * (1 if alone else n),
+            "target_ppl": args.target_ppl,
+            "budget_seconds": args.budget_seconds,
+        }
         return f"--trainer.callbacks={json.dumps([{'class_path': 'probe.BenchProbe', 'init_args': init}])}"
 
     base = [
@@ -152,8 +282,10 @@ def launch(entry: Entry, args: argparse.Namespace, cluster: EmulatedCluster | No
         "fit",
         "--config",
         args.config,
-        f"--trainer.max_steps={args.steps}",
+        f"--seed_everything={seed}",
+        f"--trainer.max_steps={args.max_steps}",
         f"--trainer.val_check_interval={args.val_every}",
+        "--trainer.check_val_every_n_epoch=null",  # validate every --val-every steps across epochs
         f"--trainer.limit_val_batches={args.val_batches}",
         "--trainer.max_epochs=-1",
         "--trainer.enable_progress_bar=false",
@@ -161,7 +293,7 @@ def launch(entry: Entry, args: argparse.Namespace, cluster: EmulatedCluster | No
         "--trainer.logger=false",
         f"--data.batch_size={args.batch_size}",
         "--trainer.num_sanity_val_steps=0",
-        *args.extra,
+        *args.recipe_args,
     ]
     strategy = entry.strategy if isinstance(entry.strategy, str) else json.dumps(entry.strategy)
     env = launcher_free_env()
@@ -170,49 +302,35 @@ def launch(entry: Entry, args: argparse.Namespace, cluster: EmulatedCluster | No
     start = time.perf_counter()
     procs = []
     try:
-        if entry.mpi:
-            mpiexec = Path(sys.executable).parent / "mpiexec"
-            cmd = [
-                str(mpiexec),
-                "-n",
-                str(n),
-                *base,
-                probe(run_dir),
-                f"--trainer.devices={n}",
-                f"--trainer.strategy={strategy}",
-            ]
-            procs.append(
-                subprocess.Popen(cmd, env={**env, "BENCH_IFACE": "lo"}, stdout=logs[0], stderr=subprocess.STDOUT)
-            )
-        else:
-            port = _free_port()
-            for i in range(n):
-                if alone:  # N independent one-rank jobs, each with its own probe folder
-                    cmd = [*base, probe(run_dir / f"alone{i}"), "--trainer.devices=1", "--trainer.strategy=auto"]
-                    rank_env = dict(env)
-                else:
-                    cmd = [
-                        *base,
-                        probe(run_dir),
-                        "--trainer.devices=1",
-                        f"--trainer.num_nodes={n}",
-                        f"--trainer.strategy={strategy}",
-                    ]
-                    rank_env = {
-                        **env,
-                        "MASTER_ADDR": cluster.address(0) if cluster else "127.0.0.1",
-                        "MASTER_PORT": str(port),
-                        "WORLD_SIZE": str(n),
-                        "NODE_RANK": str(i),
-                        "LOCAL_RANK": "0",
-                    }
-                if cluster:
-                    rank_env["GLOO_SOCKET_IFNAME"] = "eth0"
-                    procs.append(cluster.popen(i, cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
-                else:
-                    rank_env["BENCH_IFACE"] = "lo"
-                    procs.append(subprocess.Popen(cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
-        deadline = start + args.timeout
+        port = _free_port()
+        for i in range(n):
+            if alone:  # N independent one-rank jobs, each with its own probe folder
+                cmd = [*base, probe(run_dir / f"alone{i}"), "--trainer.devices=1", "--trainer.strategy=auto"]
+                rank_env = dict(env)
+            else:
+                cmd = [
+                    *base,
+                    probe(run_dir),
+                    "--trainer.devices=1",
+                    f"--trainer.num_nodes={n}",
+                    f"--trainer.strategy={strategy}",
+                ]
+                rank_env = {
+                    **env,
+                    "MASTER_ADDR": cluster.address(0) if cluster else "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "WORLD_SIZE": str(n),
+                    "NODE_RANK": str(i),
+                    "LOCAL_RANK": "0",
+                }
+            if cluster:
+                rank_env["GLOO_SOCKET_IFNAME"] = "eth0"
+                procs.append(cluster.popen(i, cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
+            else:
+                rank_env["BENCH_IFACE"] = "lo"
+                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
+        timeout = args.timeout or (3 * args.budget_seconds + 300 if args.budget_seconds else 3600)
+        deadline = start + timeout
         while any(p.poll() is None for p in procs):
             if time.perf_counter() > deadline or any(p.returncode not in (None, 0) for p in procs):
                 break
@@ -226,168 +344,397 @@ def launch(entry: Entry, args: argparse.Namespace, cluster: EmulatedCluster | No
             f.close()
     if any(p.returncode != 0 for p in procs):
         tail = (run_dir / "log0.txt").read_text()[-3000:]
-        raise RuntimeError(f"{entry.label} failed or timed out (logs in {run_dir}):\n{tail}")
+        raise RuntimeError(f"{entry.label} (seed {seed}) failed or timed out (logs in {run_dir}):\n{tail}")
     return time.perf_counter() - start
 
 
-def summarize(entry: Entry, run_dir: Path, wall: float, args: argparse.Namespace) -> dict[str, Any]:
+def summarize(entry: Entry, run_dir: Path, wall: float, seed: int, loopback: bool) -> dict[str, Any]:
+    """One row: an entry's figures for one seed (rank 0's curve; bytes averaged over ranks)."""
     pattern = "alone*/probe.rank0.json" if entry.kind == "limit" else "probe.rank*.json"
     ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob(pattern))]
     r0 = ranks[0]
     steps = max(r0["steps"], 1)
     step_times = r0["step_seconds"][1:] or r0["step_seconds"]
-    cs = r0["comm_stats"] or {}
-    cs_bytes = None
-    if cs:
-        cs_bytes = (cs["bytes_sent"] - cs.get("setup/bytes_sent", 0)) / steps
-    tx = [r["tx_bytes"] / steps for r in ranks if r["tx_bytes"] is not None]
-    curve = r0["curve"]
+    comm = r0["training_comm"]
+    comm_s = comm["comm_seconds"] if comm else r0.get("peer_comm_seconds")
+    # every rank's sends cross `lo`: on loopback one counter holds them all (and anything else local)
+    share = len(ranks) if loopback and entry.kind != "limit" else 1
+    tx = [r["tx_bytes"] / steps / share for r in (ranks[:1] if loopback else ranks) if r["tx_bytes"] is not None]
     return {
+        "key": entry.key,
         "label": entry.label,
         "kind": entry.kind,
-        "mpi_loopback": entry.mpi,
-        "wall_seconds": wall,
+        "seed": seed,
+        "predict": entry.predict,
+        "job_wall_seconds": wall,
         "steps": steps,
-        "median_step_s": statistics.median(step_times),
-        "mean_step_s": statistics.fmean(step_times),
-        "comm_s_per_step": cs.get("comm_seconds", 0.0) / steps if cs else None,
+        "stop_reason": r0["stop_reason"],
+        "train_seconds": r0["train_seconds"],
+        "val_seconds": r0["val_seconds"],
+        "wall_seconds": r0["wall_seconds"],
+        "seconds_per_step": r0["train_seconds"] / steps,
+        "median_step_s": statistics.median(step_times) if step_times else None,
+        "comm_s_per_step": comm_s / steps if comm_s is not None else None,
+        "comm_share": comm_s / r0["train_seconds"] if comm_s is not None and r0["train_seconds"] else None,
         "tx_bytes_per_step": statistics.fmean(tx) if tx else None,
-        "comm_stats_bytes_per_step": cs_bytes,
-        "final_ppl": curve[-1]["val_ppl"] if curve else None,
-        "curve": curve,
+        "comm_stats_bytes_per_step": comm["bytes_sent"] / steps if comm else None,
+        "outer_syncs": r0.get("peer_syncs"),
+        "final_ppl": r0["curve"][-1]["val_ppl"] if r0["curve"] else None,
+        "curve": r0["curve"],
         "param_shapes": r0.get("param_shapes"),
     }
 
 
-def time_to_target(curve: list[dict[str, float]], target: float) -> float | None:
+# ---------------------------------------------------------------- reading the curves
+
+
+def time_to_target(curve: list[dict[str, float]], target: float, budget: float | None) -> float | None:
+    """Training seconds at the first validation at or below ``target``; None if not reached in budget."""
     for point in curve:
         if point["val_ppl"] <= target:
-            return point["wall_seconds"]
+            return point["train_seconds"] if budget is None or point["train_seconds"] <= budget else None
     return None
 
 
-def predictions(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, float]:
-    shapes = next((r["param_shapes"] for r in rows if r.get("param_shapes")), None)
-    if not shapes:
-        return {}
-    shape = cost_model.ModelShape(tuple(tuple(s) for s in shapes))
-    bw, n = args.rate * 1e6, args.ranks
-    return {
-        "ring": cost_model.ring_allreduce(shape, n, bw),
-        "fp16": cost_model.ring_allreduce(shape, n, bw) / 2,
-        "onebit": cost_model.onebit(shape, n, bw),
-        "periodic8": cost_model.periodic(shape, n, bw, 8),
-        "ps": cost_model.parameter_server(shape, n, bw),
-    }
+def point_at_samples(curve: list[dict[str, float]], samples: float) -> dict[str, float] | None:
+    """The last validation at or before ``samples``."""
+    before = [p for p in curve if p["samples"] <= samples]
+    return before[-1] if before else None
 
 
-def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, pred: dict[str, float]) -> str:
-    # MPI runs on loopback (shared memory, no rate limit) are not comparable with the cluster's
-    ours = [r for r in rows if r["kind"] == "ours" and r["final_ppl"] and not r["mpi_loopback"]]
-    peers = [r for r in rows if r["kind"] == "peer" and r["final_ppl"]]
-    ref = next((r for r in rows if r["label"] == "ddp"), None)
-    target = 1.05 * ref["final_ppl"] if ref and ref["final_ppl"] else None
-    lines = [
-        f"{args.ranks} ranks, {where}; config `{Path(args.config).name}`, {args.steps} steps of"
-        f" {args.batch_size} windows per rank, validation every {args.val_every} steps on {args.val_batches} batches.",
-        (f"Parameter-server prediction for this model: {pred['ps']:.2f} s/step. " if "ps" in pred else "")
-        + (f"Target perplexity: {target:.1f} (ddp's final x 1.05)." if target else ""),
-        "Predicted comm s: the cost model at the link rate (bytes x 8 / rate)"
-        + ("; loopback has no such rate." if "loopback" in where else "."),
-        "",
-        "| run | kind | median step s | mean step s | predicted comm s | comm s (measured) | MB/step/rank (veth tx)"
-        " | MB/step/rank (comm_stats) | tx / comm_stats | final val ppl | time to target s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        tx, cs = r["tx_bytes_per_step"], r["comm_stats_bytes_per_step"]
-        ttt = time_to_target(r["curve"], target) if target and r["kind"] != "limit" else None
-        cells = [
-            r["label"] + (" (loopback, MPI)" if r["mpi_loopback"] else ""),
-            r["kind"],
-            f"{r['median_step_s']:.3f}",
-            f"{r['mean_step_s']:.3f}",
-            _fmt(pred.get(r.get("predict", "")), "{:.3f}"),
-            _fmt(r["comm_s_per_step"], "{:.3f}"),
-            _fmt(tx / 1e6 if tx is not None else None, "{:.3f}"),
-            _fmt(cs / 1e6 if cs is not None else None, "{:.3f}"),
-            _fmt(tx / cs if tx and cs else None, "{:.2f}"),
-            _fmt(r["final_ppl"], "{:.1f}"),
-            _fmt(ttt, "{:.0f}"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    if ours and peers and target:
-
-        def best(group, key):
-            vals = [(key(r), r["label"]) for r in group if key(r) is not None]
-            return min(vals) if vals else None
-
-        for name, key in (
-            ("time to target", lambda r: time_to_target(r["curve"], target)),
-            ("bytes per step", lambda r: r["tx_bytes_per_step"]),
-            ("mean step time", lambda r: r["mean_step_s"]),
-        ):
-            b_ours, b_peer = best(ours, key), best(peers, key)
-            if b_ours and b_peer:
-                lines.append(
-                    f"\nBest of this package / best peer, {name}: {b_ours[1]} {b_ours[0]:.4g} / {b_peer[1]}"
-                    f" {b_peer[0]:.4g} = {b_ours[0] / b_peer[0]:.3f}"
-                )
-    return "\n".join(lines)
+def ppl_at_samples(curve: list[dict[str, float]], samples: float) -> float | None:
+    point = point_at_samples(curve, samples)
+    return point["val_ppl"] if point else None
 
 
-def _run_dir(out: Path, entry: Entry) -> Path:
-    return out / entry.label.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "")
+def ppl_at_time(curve: list[dict[str, float]], seconds: float) -> float | None:
+    """Validation perplexity at ``seconds`` of training, interpolated linearly in log perplexity
+    between the validations either side (None outside the curve)."""
+    for a, b in itertools.pairwise(curve):
+        if a["train_seconds"] <= seconds <= b["train_seconds"]:
+            span = b["train_seconds"] - a["train_seconds"]
+            w = (seconds - a["train_seconds"]) / span if span > 0 else 1.0
+            return math.exp((1 - w) * math.log(a["val_ppl"]) + w * math.log(b["val_ppl"]))
+    if curve and curve[-1]["train_seconds"] == seconds:
+        return curve[-1]["val_ppl"]
+    return None
+
+
+def _spread(values: list[float | None], spec: str) -> str:
+    """Mean (min-max) over seeds; '-' when nothing was measured."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "-"
+    if len(vals) == 1 or min(vals) == max(vals):
+        return spec.format(vals[0])
+    return f"{spec.format(statistics.fmean(vals))} ({spec.format(min(vals))}-{spec.format(max(vals))})"
+
+
+def _mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals and len(vals) == len(values) else None
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else spec.format(value)
 
 
-def plots(rows: list[dict[str, Any]], out: Path, where: str) -> None:
+def predicted_comm(
+    spec: dict[str, Any], shapes: list[list[int]] | None, n: int, rate_mbit: float | None
+) -> float | None:
+    """Cost-model communication seconds per step at the link rate (None on loopback or if unknown)."""
+    if not spec or not shapes or rate_mbit is None:
+        return None
+    from lightning_commstrats import cost_model  # the tables alone need nothing of the package
+
+    shape = cost_model.ModelShape(tuple(tuple(s) for s in shapes))
+    bw = rate_mbit * 1e6
+    if spec["scheme"] == "onebit":
+        return cost_model.onebit(shape, n, bw)
+    return cost_model.ring_allreduce(shape, n, bw) * spec.get("scale", 1.0) / spec.get("period", 1)
+
+
+def group(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["key"], []).append(r)
+    return out
+
+
+def common_points(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(samples, training seconds) every non-limit row reached: the smallest final sample count and
+    the smallest final training time."""
+    racers = [r for r in rows if r["kind"] != "limit" and r["curve"]]
+    if not racers:
+        return None, None
+    return min(r["curve"][-1]["samples"] for r in racers), min(r["curve"][-1]["train_seconds"] for r in racers)
+
+
+def figures(rows: list[dict[str, Any]], target: float | None, budget: float | None) -> dict[str, dict[str, Any]]:
+    """Per entry, the per-seed values every table and ratio reads."""
+    samples, seconds = common_points(rows)
+    out = {}
+    for key, runs in group(rows).items():
+        out[key] = {
+            "label": runs[0]["label"],
+            "kind": runs[0]["kind"],
+            "seeds": [r["seed"] for r in runs],
+            "at_samples": [ppl_at_samples(r["curve"], samples) if samples else None for r in runs],
+            "at_time": [ppl_at_time(r["curve"], seconds) if seconds else None for r in runs],
+            "ttt": [time_to_target(r["curve"], target, budget) if target else None for r in runs],
+            "tx": [r["tx_bytes_per_step"] for r in runs],
+            "cs": [r["comm_stats_bytes_per_step"] for r in runs],
+        }
+    return out
+
+
+def ratio_lines(fig: dict[str, dict[str, Any]]) -> list[str]:
+    """This package's best entry against the best peer (means over seeds; lower is better)."""
+    lines = []
+    for name, field_, scale, spec in (
+        ("time to target", "ttt", 1, "{:.0f} s"),
+        ("val ppl at equal samples", "at_samples", 1, "{:.1f}"),
+        ("val ppl at equal training time", "at_time", 1, "{:.1f}"),
+        ("bytes per step and rank (interface)", "tx", 1e-6, "{:.3f} MB"),
+    ):
+        best = {}
+        for kind in ("ours", "peer"):
+            vals = [(_mean(f[field_]), f["label"]) for f in fig.values() if f["kind"] == kind]
+            vals = [v for v in vals if v[0] is not None]
+            best[kind] = min(vals) if vals else None
+        if best["ours"] and best["peer"]:
+            o, p = best["ours"], best["peer"]
+            lines.append(
+                f"- {name}: this package's best, {o[1]}, {spec.format(o[0] * scale)} / best peer, {p[1]},"
+                f" {spec.format(p[0] * scale)} = **{o[0] / p[0]:.3f}**"
+            )
+        else:
+            missing = tuple(k for k in best if not best[k])
+            who = {("ours",): "this package", ("peer",): "the peers"}.get(missing, "either side")
+            lines.append(f"- {name}: no ratio (no entry of {who} has it on every seed)")
+    return lines
+
+
+def header(
+    args: argparse.Namespace, where: str, rate: float | None, samples: float | None, seconds: float | None
+) -> list[str]:
+    target = f"{args.target_ppl:g}" if args.target_ppl else "none"
+    source = {
+        "quick": "`QUICK_TARGET_PPL` in compare.py, for the smoke run",
+        "standard": "`STANDARD_TARGET_PPL` in compare.py, measured once in a separate ddp run (see"
+        " `calibration.md`), not in this run",
+        "given": "given with `--target-ppl`",
+    }[args.target_source]
+    budget = f"{args.budget_seconds:.0f} s" if args.budget_seconds else "none"
+    budget_src = {
+        "quick": "`QUICK_BUDGET_SECONDS`",
+        "standard": f"{BUDGET_FACTOR} x ddp's estimated time to target at this link ("
+        f"{DDP_STEPS_TO_TARGET} steps x ({DDP_COMPUTE_SECONDS_PER_STEP} s compute +"
+        f" {DDP_BYTES_PER_STEP / 1e6:.1f} MB at the link rate))",
+        "given": "given with `--budget-seconds`",
+    }[args.budget_source]
+    return [
+        f"# Race: {args.ranks} ranks, {where}",
+        "",
+        f"- **Where**: {where}.",
+        f"- **Target**: validation perplexity {target} ({source}).",
+        f"- **Budget**: {budget} of training per entry ({budget_src}); validation time is not counted. A run"
+        f" stops at the first validation at or below the target or at or past the budget (decided on rank 0,"
+        f" broadcast to all); the safety cap of {args.max_steps} steps never ended a run unless a row says so.",
+        f"- **Seeds**: {' '.join(str(s) for s in args.seeds)} (every entry once per seed; quality figures are"
+        " the mean over seeds with the (min-max) spread).",
+        f"- **Setting**: config `{Path(args.config).name}`, {args.batch_size} windows per rank and step,"
+        f" validation every {args.val_every} steps on {args.val_batches} batches per rank (this package's"
+        " periodic strategies and the DiLoCo peer validate their global model, that of the last"
+        " synchronisation, so their curves move at syncs; post-local SGD validates each rank's local weights);"
+        f" inner optimizer for every entry: `{' '.join(INNER_OPTIMIZER)}` (learning rate from the config);"
+        f" extra recipe arguments: `{' '.join(args.extra) or 'none'}`.",
+        f"- **Equal samples**: {_fmt(samples, '{:.0f}')} samples (the smallest final sample count of the"
+        " racing entries; every multi-rank entry validates at the same sample counts, so this is the"
+        " last validation at or before it, no interpolation).",
+        f"- **Equal time**: {_fmt(seconds, '{:.1f}')} training seconds (the smallest final training time of"
+        " the racing entries; perplexity interpolated linearly in log between the validations either side).",
+        "",
+    ]
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, rate: float | None) -> str:
+    samples, seconds = common_points(rows)
+    fig = figures(rows, args.target_ppl, args.budget_seconds)
+    byk = group(rows)
+    lines = header(args, where, rate, samples, seconds)
+    lines += [
+        f"## (a) Quality at equal samples ({_fmt(samples, '{:.0f}')} samples)",
+        "",
+        "| run | kind | val ppl | at step |",
+        "|---|---|---|---|",
+    ]
+    for key, f in fig.items():
+        point = point_at_samples(byk[key][0]["curve"], samples) if samples else None
+        step = point["step"] if point else None
+        lines.append(f"| {f['label']} | {f['kind']} | {_spread(f['at_samples'], '{:.1f}')} | {_fmt(step, '{}')} |")
+    lines += [
+        "",
+        f"## (b) Quality at equal training time ({_fmt(seconds, '{:.1f}')} s)",
+        "",
+        "| run | kind | val ppl |",
+        "|---|---|---|",
+    ]
+    for f in fig.values():
+        lines.append(f"| {f['label']} | {f['kind']} | {_spread(f['at_time'], '{:.1f}')} |")
+    lines += [
+        "",
+        "## (c) Time to target, bytes and communication",
+        "",
+        "Time to target: training seconds at the first validation at or below the target, mean (min-max) over the"
+        " seeds that reached it. Bytes per step and rank: the interface counter during training (veth `eth0`;"
+        " on loopback the `lo` counter divided by the ranks, which also counts any other local traffic) and"
+        " this package's `comm_stats` (training"
+        " collectives only). Comm share: seconds inside collectives / training seconds (this package's"
+        " `comm_stats`; the DiLoCo peer times its outer all-reduce; unknown for DDP's hooks). Predicted comm:"
+        " the cost model's seconds per step at the link rate.",
+        "",
+        "| run | kind | time to target s | stop (per seed) | steps | train s | s/step | median batch s"
+        " | predicted comm s/step | comm s/step | comm share | MB/step/rank (interface) | MB/step/rank (comm_stats)"
+        " | final val ppl |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, f in fig.items():
+        runs = byk[key]
+        reached = [t for t in f["ttt"] if t is not None]
+        if not args.target_ppl:
+            ttt = "-"
+        elif not reached:
+            ttt = "not reached in budget"
+        else:
+            ttt = _spread(reached, "{:.0f}")
+            if len(reached) < len(runs):
+                ttt += f" ({len(reached)} of {len(runs)} seeds; the others not reached in budget)"
+        pred = predicted_comm(runs[0]["predict"], runs[0].get("param_shapes"), args.ranks, rate)
+        cells = [
+            f["label"],
+            f["kind"],
+            ttt,
+            " ".join(str(r["stop_reason"]) for r in runs),
+            _spread([r["steps"] for r in runs], "{:.0f}"),
+            _spread([r["train_seconds"] for r in runs], "{:.0f}"),
+            _spread([r["seconds_per_step"] for r in runs], "{:.3f}"),
+            _spread([r["median_step_s"] for r in runs], "{:.3f}"),
+            _fmt(pred, "{:.3f}"),
+            _spread([r["comm_s_per_step"] for r in runs], "{:.3f}"),
+            _spread([r["comm_share"] * 100 if r["comm_share"] is not None else None for r in runs], "{:.0f}%"),
+            _spread([v / 1e6 if v is not None else None for v in f["tx"]], "{:.3f}"),
+            _spread([v / 1e6 if v is not None else None for v in f["cs"]], "{:.3f}"),
+            _spread([r["final_ppl"] for r in runs], "{:.1f}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## This package against the peers (same run, means over seeds, lower is better)",
+        "",
+        *ratio_lines(fig),
+    ]
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict[str, Any]], out: Path, args: argparse.Namespace, where: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
+        import matplotlib.patches
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plots (pip install -e '.[bench]')")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if r["curve"] and r["kind"] != "limit":
-            ax.plot(
-                [p["wall_seconds"] for p in r["curve"]],
-                [p["val_ppl"] for p in r["curve"]],
-                marker="o",
-                label=r["label"],
-            )
-    ax.set_xlabel("wall seconds")
-    ax.set_ylabel("validation perplexity")
-    ax.set_title(f"Perplexity against wall time ({where})")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "ppl_vs_wall.png", dpi=120)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    labeled = [r for r in rows if r["tx_bytes_per_step"] is not None and r["kind"] != "limit"]
-    ax.barh([r["label"] for r in labeled], [r["tx_bytes_per_step"] / 1e6 for r in labeled])
-    ax.set_xlabel("MB sent per step and rank (interface counter)")
-    ax.set_title(f"Bytes per step ({where})")
-    fig.tight_layout()
-    fig.savefig(out / "bytes_per_step.png", dpi=120)
+    byk = group(rows)
+    colors = plt.get_cmap("tab20")
+    for x, name, xlabel in (
+        ("train_seconds", "ppl_vs_time.png", "training seconds (validation excluded)"),
+        ("samples", "ppl_vs_samples.png", "samples (windows, all ranks)"),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for i, runs in enumerate(byk.values()):
+            for j, r in enumerate(runs):
+                if r["curve"]:
+                    ax.plot(
+                        [p[x] for p in r["curve"]],
+                        [p["val_ppl"] for p in r["curve"]],
+                        color=colors(i % 20),
+                        linestyle="-" if r["kind"] == "ours" else "--" if r["kind"] == "peer" else ":",
+                        label=r["label"] if j == 0 else None,
+                    )
+        if args.target_ppl:
+            ax.axhline(args.target_ppl, color="black", linewidth=0.8)
+        if args.budget_seconds and x == "train_seconds":
+            ax.axvline(args.budget_seconds, color="grey", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation perplexity (log)")
+        ax.set_title(f"Perplexity ({where}); solid: this package, dashed: peers", fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+    fg = figures(rows, args.target_ppl, args.budget_seconds)
+    racers = [f for f in fg.values() if f["kind"] != "limit"]
+    kind_color = {"ours": "tab:blue", "peer": "tab:orange"}
+    handles = [
+        matplotlib.patches.Patch(color=c, label="this package" if k == "ours" else "peer")
+        for k, c in kind_color.items()
+    ]
+    labeled = [f for f in racers if _mean(f["tx"])]
+    if labeled:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        ax.barh(
+            [f["label"] for f in labeled],
+            [_mean(f["tx"]) / 1e6 for f in labeled],
+            color=[kind_color[f["kind"]] for f in labeled],
+        )
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("MB sent per step and rank (interface counter, log)")
+        ax.set_title(f"Bytes per step ({where})", fontsize=9)
+        ax.legend(handles=handles, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "bytes_per_step.png", dpi=120)
+        plt.close(fig)
+    if args.target_ppl and racers:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        cap = args.budget_seconds or max((t for f in racers for t in f["ttt"] if t is not None), default=1.0)
+        for i, f in enumerate(racers):
+            t = _mean(f["ttt"])
+            if t is None:
+                ax.barh(i, cap, color="none", edgecolor=kind_color[f["kind"]], hatch="//")
+                ax.text(cap, i, " not reached", va="center", fontsize=7)
+            else:
+                ax.barh(i, t, color=kind_color[f["kind"]])
+        ax.set_yticks(range(len(racers)), [f["label"] for f in racers])
+        ax.invert_yaxis()
+        ax.set_xlabel(
+            "training seconds to the target (mean over seeds)\nhatched to the budget: not reached on every seed"
+        )
+        ax.set_title(f"Time to val ppl {args.target_ppl:g} ({where})", fontsize=9)
+        ax.legend(handles=handles, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "time_to_target.png", dpi=120)
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------- scaling, cluster, main
 
 
 def scaling(args: argparse.Namespace) -> None:
-    """Per-rank bytes of ring all-reduce for 2, 4 and 8 ranks (tiny model, a few steps)."""
+    """Per-rank bytes of ring all-reduce for 2, 4 and 8 ranks (tiny model, a few steps, no race)."""
     rows = []
     for n in (2, 4, 8):
-        sub = argparse.Namespace(**{**vars(args), "ranks": n})
-        for entry in (Entry("ddp", "ddp", "peer"), Entry("allreduce", "allreduce", "ours")):
-            run_dir = Path(args.out) / f"scaling-{n}-{entry.label}"
+        sub = argparse.Namespace(**{**vars(args), "ranks": n, "target_ppl": None, "budget_seconds": None})
+        for entry in (Entry("ddp", "ddp", "ddp", "peer"), Entry("allreduce", "allreduce", "allreduce", "ours")):
+            run_dir = Path(args.out) / f"scaling-{n}-{entry.key}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            with cluster_or_loopback(sub) as (cluster, where):
-                wall = launch(entry, sub, cluster, run_dir)
-            rows.append((n, entry.label, summarize(entry, run_dir, wall, sub), where))
+            with cluster_or_loopback(sub, args.rates[0]) as (cluster, where):
+                wall = launch(entry, sub, 0, cluster, run_dir)
+            rows.append((n, entry.label, summarize(entry, run_dir, wall, 0, cluster is None), where))
     lines = ["| ranks | run | MB/step/rank (veth tx) | MB/step/rank (comm_stats) | where |", "|---|---|---|---|---|"]
     for n, label, s, where in rows:
         cs = s["comm_stats_bytes_per_step"]
@@ -399,22 +746,14 @@ def scaling(args: argparse.Namespace) -> None:
     print(text)
 
 
-class _NoCluster:
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> tuple[None, str]:
-        return None, self.where
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
 class cluster_or_loopback:
-    """The emulated cluster for ``args.ranks`` hosts at ``args.rate``, or loopback (and why)."""
+    """The emulated cluster for ``args.ranks`` hosts at ``rate``, or loopback (and why)."""
 
-    def __init__(self, args: argparse.Namespace, groups: int = 1, uplink_mbit: float | None = None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, rate: float, groups: int = 1, uplink_mbit: float | None = None
+    ) -> None:
         self.args = args
+        self.rate = rate
         self.groups = groups
         self.uplink_mbit = uplink_mbit
         self.cluster: EmulatedCluster | None = None
@@ -423,14 +762,14 @@ class cluster_or_loopback:
         if getattr(self.args, "loopback", False):
             return None, "loopback (no rate limit)"
         try:
-            self.cluster = EmulatedCluster(self.args.ranks, self.args.rate, self.groups, self.uplink_mbit)
+            self.cluster = EmulatedCluster(self.args.ranks, self.rate, self.groups, self.uplink_mbit)
             self.cluster.create()
             if self.groups > 1:
                 return self.cluster, (
-                    f"emulated cluster: groups of {self.args.ranks // self.groups} at {self.args.rate:g} Mbit/s,"
+                    f"emulated cluster: groups of {self.args.ranks // self.groups} at {self.rate:g} Mbit/s,"
                     f" uplinks at {self.uplink_mbit:g} Mbit/s"
                 )
-            return self.cluster, f"emulated cluster, {self.args.rate:g} Mbit/s links"
+            return self.cluster, f"emulated cluster, {self.rate:g} Mbit/s links"
         except ClusterUnavailable as err:
             print(f"emulated cluster unavailable ({err}); falling back to loopback", flush=True)
             return None, f"loopback (no rate limit; emulated cluster unavailable: {err})"
@@ -440,63 +779,107 @@ class cluster_or_loopback:
             self.cluster.destroy()
 
 
+def race(args: argparse.Namespace, todo: list[Entry], every: list[Entry], rate: float, out: Path) -> str:
+    """Run ``todo`` (every seed) at one link rate into ``out``; write and return the tables of every
+    entry measured there under the same settings. Returns where it ran."""
+    with cluster_or_loopback(args, rate) as (cluster, where):
+        if cluster is None:
+            rate_used = None
+            out = out.parent / "loopback"
+        else:
+            rate_used = rate
+        args.budget_seconds, args.budget_source = (
+            (args.given_budget, "given") if args.given_budget else (default_budget(rate_used), "standard")
+        )
+        if args.quick and not args.given_budget:
+            args.budget_seconds, args.budget_source = QUICK_BUDGET_SECONDS, "quick"
+        run_settings = settings(args, where)
+        for entry in todo if not args.table_only else []:
+            for seed in args.seeds:
+                run_dir = out / entry.key / f"seed{seed}"
+                run_dir.mkdir(parents=True, exist_ok=True)
+                for old in [*run_dir.glob("probe.rank*.json"), *run_dir.glob("alone*/probe.rank*.json")]:
+                    old.unlink()
+                print(f"== {where}: {entry.label}, seed {seed}", flush=True)
+                wall = launch(entry, args, seed, cluster, run_dir)
+                row = summarize(entry, run_dir, wall, seed, cluster is None)
+                row["settings"] = run_settings
+                (run_dir / "summary.json").write_text(json.dumps(row, indent=1))
+                print(
+                    f"   {row['stop_reason']} after {row['steps']} steps, {row['train_seconds']:.0f} s training"
+                    f" ({row['val_seconds']:.0f} s validation, job {wall:.0f} s), final ppl {row['final_ppl']}",
+                    flush=True,
+                )
+    # every entry measured into this folder under the same settings, so `--only` can redo a few
+    rows = []
+    for e in every:
+        for seed in args.seeds:
+            p = out / e.key / f"seed{seed}" / "summary.json"
+            if p.exists():
+                row = json.loads(p.read_text())
+                if row.get("settings") == run_settings:
+                    rows.append(row)
+    text = table(rows, args, where, rate_used)
+    (out / "results.json").write_text(
+        json.dumps({"where": where, "rate_mbit": rate_used, "settings": run_settings, "rows": rows}, indent=1)
+    )
+    (out / "results.md").write_text(text + "\n")
+    plots(rows, out, args, where)
+    print(text, flush=True)
+    return where
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny config, 2 ranks, a few steps")
+    parser.add_argument("--quick", action="store_true", help="smoke run: loopback, tiny config, 2 ranks, seconds")
     parser.add_argument("--loopback", action="store_true", help="do not build namespaces; use loopback")
     parser.add_argument("--scaling", action="store_true", help="ring all-reduce bytes per rank for 2, 4, 8 ranks")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--rate", type=float, default=100.0, help="link rate, Mbit/s")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--val-every", type=int, default=20)
-    parser.add_argument("--val-batches", type=int, default=20)
+    parser.add_argument("--rates", type=float, nargs="+", default=[100.0, 1000.0], help="link rates, Mbit/s")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--target-ppl", type=float, help=f"default {STANDARD_TARGET_PPL} ({QUICK_TARGET_PPL} quick)")
+    parser.add_argument(
+        "--budget-seconds",
+        type=float,
+        help=f"training seconds per entry; default {BUDGET_FACTOR} x ddp's time to target",
+    )
+    parser.add_argument("--max-steps", type=int, default=100_000, help="safety cap on steps")
+    parser.add_argument("--val-every", type=int, default=8, help="steps between validations")
+    parser.add_argument("--val-batches", type=int, default=8, help="validation batches per rank")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--config", default=str(REPO / "recipes" / "configs" / "lstm_demo.yaml"))
-    parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
-    parser.add_argument("--table-only", action="store_true", help="rebuild the table from the runs in --out")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per entry")
+    parser.add_argument("--only", nargs="*", help="entry keys or labels to run (default: all)")
+    parser.add_argument("--table-only", action="store_true", help="rebuild the tables from the runs in --out")
+    parser.add_argument("--timeout", type=float, help="seconds per job (default 3 x budget + 300)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "standard"))
     parser.add_argument("extra", nargs="*", help="extra recipe arguments after --")
     args = parser.parse_args()
     if args.quick:
         args.config = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
-        args.ranks, args.steps, args.val_every, args.val_batches, args.batch_size = 2, 6, 3, 2, 8
+        args.loopback = True
+        args.ranks, args.val_every, args.val_batches, args.batch_size, args.rates = 2, 4, 2, 8, [100.0]
+    args.target_source = "given" if args.target_ppl else "quick" if args.quick else "standard"
+    if not args.target_ppl:
+        args.target_ppl = QUICK_TARGET_PPL if args.quick else STANDARD_TARGET_PPL
+    args.given_budget = args.budget_seconds
+    args.recipe_args = [*INNER_OPTIMIZER, *args.extra]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.scaling:
-        if not args.quick:
-            args.config = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
-            args.steps, args.val_every, args.val_batches, args.batch_size = 5, 5, 1, 8
+        args.config = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
+        args.max_steps, args.val_every, args.val_batches, args.batch_size = 5, 5, 1, 8
         scaling(args)
         return
-    every = entries(args.steps, args.quick)
-    todo = [e for e in every if not args.only or e.label in args.only]
-    if args.table_only:
-        saved = [json.loads(p.read_text()).get("where") for p in out.glob("*/summary.json")]
-        todo, where = [], next((w for w in saved if w), "unknown")
-    with cluster_or_loopback(args) if todo else _NoCluster(where) as (cluster, where):
-        for entry in todo:
-            run_dir = _run_dir(out, entry)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            for old in run_dir.glob("probe.rank*.json"):
-                old.unlink()
-            print(f"== {entry.label}", flush=True)
-            wall = launch(entry, args, None if entry.mpi else cluster, run_dir)
-            row = summarize(entry, run_dir, wall, args)
-            row["predict"] = entry.predict
-            row["where"] = where
-            (run_dir / "summary.json").write_text(json.dumps(row, indent=1))
-            print(
-                f"   median step {row['median_step_s']:.3f}s, final ppl {row['final_ppl']}, wall {wall:.0f}s",
-                flush=True,
-            )
-    # the table covers every entry measured into this folder, so `--only` can redo a few
-    rows = [json.loads(p.read_text()) for p in (_run_dir(out, e) / "summary.json" for e in every) if p.exists()]
-    text = table(rows, args, where, predictions(args, rows))
-    (out / "results.json").write_text(json.dumps({"where": where, "rows": rows}, indent=1))
-    (out / "results.md").write_text(text + "\n")
-    plots(rows, out, where)
-    print(text)
+    every = entries()
+    todo = select(every, args.only or (list(QUICK_KEYS) if args.quick else None))
+    sections = []
+    for rate in args.rates:
+        where = race(args, todo, every, rate, out / f"rate{rate:g}")
+        name = "loopback" if where.startswith("loopback") else f"rate{rate:g}"
+        sections.append(f"- [{where}]({name}/results.md)")
+        if where.startswith("loopback"):
+            break  # every rate would be the same loopback run
+    (out / "results.md").write_text("# Races\n\n" + "\n".join(sections) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 import yaml
+from cluster import launcher_free_env
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_commstrats  # noqa: F401 - registers the names
@@ -55,11 +55,6 @@ def strategy_arg(name: str, kwargs: dict[str, Any]) -> str:
         return name
     cls = StrategyRegistry[name]["strategy"]
     return json.dumps({"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": kwargs})
-
-
-def launcher_free_env() -> dict[str, str]:
-    """This environment without the rank variables of an enclosing launch, so a run starts its own."""
-    return {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
 
 
 def run(label: str, name: str, kwargs: dict[str, Any], args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:

@@ -33,12 +33,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "moe_layout"))
     args = parser.parse_args()
-    args.ranks, args.val_every, args.val_batches = 4, args.steps, 1
-    args.extra = ["--data.seq_len=35", "--trainer.limit_val_batches=0"]
+    args.ranks, args.val_every, args.val_batches, args.max_steps = 4, args.steps, 1, args.steps
+    args.target_ppl = args.budget_seconds = None  # a fixed number of steps, no race
+    args.recipe_args = ["--data.seq_len=35", "--trainer.limit_val_batches=0"]
     out = Path(args.out)
     seq_len = 35
     rows = []
-    with cluster_or_loopback(args, groups=2, uplink_mbit=args.rate * 3 / 16) as (cluster, where):
+    with cluster_or_loopback(args, args.rate, groups=2, uplink_mbit=args.rate * 3 / 16) as (cluster, where):
         for inner, name in (("dp", "hierarchical (dp inner)"), ("ep", "symmetric (ep inner)")):
             strategy = {
                 "class_path": "lightning_commstrats.ExpertParallelStrategy",
@@ -49,7 +50,7 @@ def main() -> None:
             for old in run_dir.glob("probe.rank*.json"):
                 old.unlink()
             print(f"== {name}", flush=True)
-            launch(Entry(name, strategy, "ours"), args, cluster, run_dir)
+            launch(Entry(inner, name, strategy, "ours"), args, 0, cluster, run_dir)
             ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("probe.rank*.json"))]
             steps = [r["step_seconds"][1:] for r in ranks]
             mean_step = statistics.fmean(statistics.fmean(s) for s in steps)
