@@ -155,3 +155,20 @@ def test_resume_mid_block_and_mid_fragment_reproduces_the_uninterrupted_run():
     for res in results:
         for name in ("diloco", "stream"):
             _close(res[f"{name}_resumed"]["params"], res[f"{name}_straight"]["params"], 1e-6)
+
+
+@pytest.mark.mpi
+def test_streaming_over_mpi_overlaps_on_a_duplicated_communicator_and_equals_gloo():
+    kwargs = {"sync_period": 8, "num_fragments": 2, "fragment_sync_delay": 2, "pseudo_grad_bits": 4}
+    kwargs["small_tensor_numel"] = 0
+    scenarios = {
+        "mpi": {"strategy": "streaming_diloco", "kwargs": {**kwargs, "backend": "mpi"}, "max_steps": 20},
+        "gloo": {"strategy": "streaming_diloco", "kwargs": {**kwargs, "backend": "gloo"}, "max_steps": 20},
+    }
+    results = run_ranks({"scenarios": scenarios}, 2, launcher="mpiexec")
+    assert "MPICommunicator" in results[0]["mpi"]["comm"]
+    for res in results:
+        _close(res["mpi"]["params"], res["gloo"]["params"], 1e-6)
+        assert res["mpi"]["stats"]["weights_quantized/calls"] == res["gloo"]["stats"]["weights_quantized/calls"] > 0
+    for res in results[1:]:
+        _close(res["mpi"]["params"], results[0]["mpi"]["params"], 0.0)
