@@ -105,6 +105,6 @@ def test_tables_use_the_common_points_mean_and_spread_over_seeds_and_same_run_ra
     assert "| ddp | peer | 30 (1 of 2 seeds; the others not reached in budget) | target target |" in text
     assert "| fast | ours | 30 (1 of 2 seeds; the others not reached in budget) | budget target |" in text
     assert "- time to target: no ratio (no entry of either side has it on every seed)" in text
-    assert "- val ppl at equal samples: this package's best, fast, 275.0 / best peer, ddp, 242.5 = **1.134**" in text
-    bytes_line = "- bytes per step and rank (interface): this package's best, fast, 0.250 MB / best peer, ddp, 1.000 MB"
-    assert bytes_line + " = **0.250**" in text
+    assert "- val ppl at equal samples: this package's best, fast, 275.0 / best peer, ddp, 242.5 = **1.13**" in text
+    bytes_line = "- bytes per step and rank (interface): this package's best, fast, 0.25 MB / best peer, ddp, 1 MB"
+    assert bytes_line + " = **0.25**" in text
