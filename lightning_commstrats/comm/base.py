@@ -62,7 +62,7 @@ class Communicator(ABC):
         if self.world_size == 1:
             return tensor
         _check_contiguous(tensor, "tensor")
-        nbytes = wire.all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+        nbytes = wire.all_reduce_bytes(tensor.numel(), self._reduce_itemsize(tensor), self.world_size)
         self._timed(tag, nbytes, tensor, lambda: self._all_reduce(tensor, "sum" if op == "avg" else op))
         if op == "avg":
             tensor.div_(self.world_size)
@@ -80,7 +80,7 @@ class Communicator(ABC):
             return tensor.clone()
         _check_contiguous(tensor, "tensor")
         out = tensor.new_empty(tensor.numel() // self.world_size)
-        nbytes = wire.reduce_scatter_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+        nbytes = wire.reduce_scatter_bytes(tensor.numel(), self._reduce_itemsize(tensor), self.world_size)
         self._timed(tag, nbytes, out, lambda: self._reduce_scatter(out, tensor, "sum" if op == "avg" else op))
         if op == "avg":
             out.div_(self.world_size)
@@ -211,6 +211,11 @@ class Communicator(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot make a second channel")
 
     # ------------------------------------------------------------------ backend hooks
+
+    def _reduce_itemsize(self, tensor: Tensor) -> int:
+        """Bytes per element a reduction of ``tensor`` puts on the wire (a backend that stages a
+        dtype in a wider one says so here, so that it is charged what it really sends)."""
+        return tensor.element_size()
 
     @abstractmethod
     def _all_reduce(self, tensor: Tensor, op: str) -> None: ...
