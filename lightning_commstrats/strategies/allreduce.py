@@ -93,11 +93,12 @@ class AllReduceStrategy(CommStrategy):
         """Average the gradients of ``params`` through ``compression``: quantized matrices (after its
         warm start) and fp32 small tensors."""
         compression.bind(self.comm, self.bucket_cap_mb)
-        compression.average(
+        bad = compression.average(
             {self.param_name(p): dense_grad(p) for p in params},
             samples_seen=self._samples_at_step * self.world_size,
             steps=self.optimizer_steps,
         )
+        self.report_nonfinite(bad)
 
     def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:
         """Raise ``ValueError`` when a checkpoint's residuals do not fit this model and world."""

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 RESUME_MISMATCH = ("error", "reset")
+NONFINITE_POLICIES = ("raise", "skip")
 STATE_KEY = "lightning_commstrats"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -72,6 +73,11 @@ class CommStrategy(ParallelStrategy):
         resume_mismatch: what to do when a checkpoint's strategy state does not fit this run
             (another world size, other parameter shapes): ``"error"`` (default) or ``"reset"``
             (start the state afresh, with a warning).
+        nonfinite: what to do when an exchanged average (gradients, or a periodic scheme's
+            pseudo-gradient) holds an inf or a NaN: ``"raise"`` (default: ``FloatingPointError``
+            naming the parameters, on every rank at once) or ``"skip"`` (every rank skips the step,
+            or discards the block, and changes nothing: no update, no residual, no counter). Either
+            way error-feedback residuals never take a non-finite value.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -85,6 +91,7 @@ class CommStrategy(ParallelStrategy):
         start_method: str = "popen",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         resume_mismatch: str = "error",
+        nonfinite: str = "raise",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -99,8 +106,12 @@ class CommStrategy(ParallelStrategy):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if resume_mismatch not in RESUME_MISMATCH:
             raise ValueError(f"resume_mismatch={resume_mismatch!r} is not supported; choose one of {RESUME_MISMATCH}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r} is not supported; choose one of {NONFINITE_POLICIES}")
         self._backend = backend
         self.resume_mismatch = resume_mismatch
+        self.nonfinite = nonfinite
+        self._nonfinite_names: list[str] = []  # set by an exchange of this step whose average was not finite
         self.bucket_cap_mb = bucket_cap_mb
         self._fused: BucketedAllReduce | None = None
         self._param_names: dict[int, str] = {}
@@ -377,7 +388,13 @@ class CommStrategy(ParallelStrategy):
             check = getattr(self.precision_plugin, "unscale_and_check", None)
             runs = check(optimizer, self) if check is not None else True
             if runs:
+                self._nonfinite_names = []
                 self.after_backward(optimizer)
+                if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
+                    runs = False
+                    for group in optimizer.param_groups:  # the optimizer steps over nothing
+                        for p in group["params"]:
+                            p.grad = None
             return result
 
         output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
@@ -392,7 +409,25 @@ class CommStrategy(ParallelStrategy):
         return output
 
     def after_backward(self, optimizer: Optimizer) -> None:
-        """Called once per optimizer step when this rank's gradients are complete (before clipping)."""
+        """Called once per optimizer step when this rank's gradients are complete (before clipping).
+        An exchange whose average is not finite reports it with :meth:`report_nonfinite`."""
+
+    def report_nonfinite(self, names: Sequence[str]) -> None:
+        """Note parameters whose exchanged average of this step is not finite (every rank must
+        report the same names: they come from averages every rank holds)."""
+        self._nonfinite_names.extend(names)
+
+    def handle_nonfinite(self, names: Sequence[str], what: str) -> bool:
+        """Apply the ``nonfinite`` policy to ``names``: raise, or return True (skip) with a warning."""
+        shown = ", ".join(list(names)[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"{type(self).__name__}: the averaged {what} of {shown} hold inf or NaN at optimizer step"
+                f" {self.optimizer_steps} (on every rank). Lower the learning rate, clip gradients, use loss"
+                f" scaling, or pass nonfinite='skip' to skip such steps."
+            )
+        log.warning("non-finite averaged %s (%s): step %d skipped on every rank", what, shown, self.optimizer_steps)
+        return True
 
     def all_reduce_fused(
         self,

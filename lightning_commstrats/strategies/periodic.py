@@ -62,6 +62,7 @@ class _Exchange:
     apply_at: int  # the optimizer step after which the result is applied
     grad: Tensor
     future: Future | None = None
+    nonfinite: list[str] | None = None  # names whose average is not finite (set when it lands)
 
 
 class PeriodicSyncStrategy(CommStrategy):
@@ -280,20 +281,25 @@ class PeriodicSyncStrategy(CommStrategy):
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
             pending.future = self._pool.submit(self.average_pseudo_gradient, named)
         else:
-            self.average_pseudo_gradient(named)
+            pending.nonfinite = self.average_pseudo_gradient(named)
         self._inflight = pending
 
-    def average_pseudo_gradient(self, named: dict[str, Tensor]) -> None:
-        """Average the named pseudo-gradient tensors over ranks in place (identical on every rank)."""
-        self.exchange.average(named)
+    def average_pseudo_gradient(self, named: dict[str, Tensor]) -> list[str]:
+        """Average the named pseudo-gradient tensors over ranks in place (identical on every rank);
+        returns the names whose average is not finite."""
+        return self.exchange.average(named)
 
     def _apply(self) -> None:
         """The outer step of the fragment in flight; its local weights restart from (or mix with) the result."""
         pending, self._inflight = self._inflight, None
         assert pending is not None and self.outer is not None
         if pending.future is not None:
-            pending.future.result()  # re-raises a failed exchange here
+            pending.nonfinite = pending.future.result()  # re-raises a failed exchange here
         f = pending.fragment
+        if pending.nonfinite and self.handle_nonfinite(pending.nonfinite, f"pseudo-gradients (fragment {f})"):
+            # the block is discarded on every rank: no outer step, the fragment restarts from the global model
+            self.load_flat(self.outer.start_point(f), f)
+            return
         self.outer.step(f, pending.grad)
         start = self.outer.start_point(f)
         alpha = self.fragment_update_alpha
@@ -380,13 +386,15 @@ class PeriodicSyncStrategy(CommStrategy):
         inflight = None
         if self._inflight is not None:
             if self._inflight.future is not None:
-                self._inflight.future.result()  # every rank saves at the same step: the exchange completes
+                # every rank saves at the same step: the exchange completes
+                self._inflight.nonfinite = self._inflight.future.result()
                 self._inflight.future = None
             inflight = {
                 "fragment": self._inflight.fragment,
                 "started_at": self._inflight.started_at,
                 "apply_at": self._inflight.apply_at,
                 "grad": self._inflight.grad,
+                "nonfinite": self._inflight.nonfinite,
             }
         return {
             **super().state_dict(),
@@ -429,6 +437,7 @@ class PeriodicSyncStrategy(CommStrategy):
         if saved is not None:
             grad = saved["grad"].to(self.root_device, torch.float32)
             self._inflight = _Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
+            self._inflight.nonfinite = saved.get("nonfinite")
         self.load_flat(rank_state["weights"].to(self.root_device))
         for optimizer, opt_state in zip(self.optimizers, rank_state["optimizers"], strict=True):
             optimizer.load_state_dict(opt_state)
