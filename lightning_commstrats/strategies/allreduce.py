@@ -100,6 +100,14 @@ class AllReduceStrategy(CommStrategy):
         )
         self.report_nonfinite(bad)
 
+    @override
+    def schedule_counts_samples(self) -> bool:
+        # a compressed exchange whose full-precision warm start ends after a number of samples
+        compression: GradientCompression | None = getattr(self, "compression", None)
+        if compression is None or compression.bits == 32 or compression.distributed_after_unit != "samples":
+            return False
+        return not compression.quantizing(self.samples_per_worker * self.world_size, self.optimizer_steps)
+
     def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:
         """Raise ``ValueError`` when a checkpoint's residuals do not fit this model and world."""
         shapes = {n: p.shape for n, p in self.lightning_module.named_parameters()}

@@ -44,7 +44,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, unflatten_into
 from lightning_commstrats.comm import BACKENDS, CommStats, Communicator, create_communicator, resolve_backend
 from lightning_commstrats.compression.exchange import BucketedAllReduce
 
@@ -116,9 +116,11 @@ class CommStrategy(ParallelStrategy):
         self._fused: BucketedAllReduce | None = None
         self._param_names: dict[int, str] = {}
         self.samples_per_worker = 0
+        self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
         self.optimizer_steps = 0
         self.last_step_skipped = False  # the precision plugin skipped the last step (overflow)
         self._samples_at_step = 0  # samples_per_worker after the last step that ran
+        self._samples_at_step_all_ranks = 0
         self._pending_state: dict[str, Any] | None = None
         self._timeout = timeout
         self._start_method = start_method
@@ -303,8 +305,63 @@ class CommStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        # Every rank gets equally many samples (the distributed sampler pads), so this count agrees.
-        self.samples_per_worker += extract_batch_size(batch)
+        size = extract_batch_size(batch)
+        if self.world_size > 1 and self.schedule_counts_samples():
+            # Ranks can see different numbers of samples (uneven last batches, an IterableDataset,
+            # a custom sampler); a schedule decided on local counts would make them issue different
+            # collectives. As CNTK does, they agree on the count: the mean over ranks (8 bytes each).
+            count = torch.tensor([size], dtype=torch.int64, device=self.root_device)
+            total = self.comm.all_reduce(count, tag="control")
+            self._samples_total_all_ranks += int(total.item())
+            self.samples_per_worker = self._samples_total_all_ranks // self.world_size
+        else:
+            self.samples_per_worker += size
+            self._samples_total_all_ranks = self.samples_per_worker * self.world_size
+
+    def schedule_counts_samples(self) -> bool:
+        """Whether a decision still ahead (a warm start's end, a block boundary) is counted in
+        samples; then every rank agrees on the count before each step (one 8-byte all-reduce)."""
+        return False
+
+    # ------------------------------------------------------------------ buffers
+
+    def buffers_to_sync(self) -> list[Tensor]:
+        """The module buffers that replicas hold (running statistics...); all of them by default."""
+        module = self.lightning_module
+        return list(module.buffers()) if module is not None else []
+
+    def sync_buffers(self, tag: str = "buffers") -> None:
+        """Make every rank's buffers equal: floating-point ones averaged (BatchNorm's running
+        statistics of all ranks' data), the others (counters) taken from rank 0; fused, one
+        collective per dtype and bucket. Called before validation during fit, at every periodic
+        sync, before a checkpoint is written and when fit ends: buffers never see a gradient, so
+        no exchange of the schemes keeps them in agreement otherwise."""
+        if self._comm is None or self.world_size == 1:
+            return
+        buffers = self.buffers_to_sync()
+        floats = [b for b in buffers if b.is_floating_point()]
+        if floats:
+            self.all_reduce_fused(floats, tag=tag)
+        others: dict[torch.dtype, list[Tensor]] = {}
+        for b in buffers:
+            if not b.is_floating_point():
+                others.setdefault(b.dtype, []).append(b)
+        for group in others.values():
+            flat = flatten(group)
+            self.comm.broadcast(flat, 0, tag=tag)
+            unflatten_into(flat, group)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.sync_buffers()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.sync_buffers()
 
     # ------------------------------------------------------------------ the strategy's own state
 
@@ -319,6 +376,7 @@ class CommStrategy(ParallelStrategy):
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Restore both; raise ``ValueError`` before changing anything when they do not fit this run."""
         self.samples_per_worker = self._samples_at_step = int(state["samples_per_worker"])
+        self._samples_total_all_ranks = self.samples_per_worker * self.world_size
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def reset_state(self) -> None:
@@ -328,6 +386,11 @@ class CommStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Collective: every rank contributes its rank-local state to the one file rank 0 writes.
         if self._comm is not None:
+            self.sync_buffers()  # the file holds the ranks' agreed buffers, not rank 0's alone
+            saved = checkpoint.get("state_dict", {})
+            for name, b in self.lightning_module.named_buffers():
+                if name in saved:
+                    saved[name] = b.detach().clone()
             ranks = self._comm.all_gather_object(_to_cpu(self.rank_state_dict()), tag="checkpoint")
             checkpoint[STATE_KEY] = {
                 "strategy": type(self).__name__,
@@ -403,8 +466,10 @@ class CommStrategy(ParallelStrategy):
             self.after_optimizer_step(optimizer)
             self.optimizer_steps += 1
             self._samples_at_step = self.samples_per_worker
+            self._samples_at_step_all_ranks = self._samples_total_all_ranks
         else:  # as if the step's samples had not come: schedules in samples stay where they were
             self.samples_per_worker = self._samples_at_step
+            self._samples_total_all_ranks = self._samples_at_step_all_ranks
         self.comm_stats.mark_step()
         return output
 

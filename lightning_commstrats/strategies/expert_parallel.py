@@ -181,6 +181,18 @@ class ExpertParallelStrategy(AllReduceStrategy):
             for b in self.lightning_module.buffers():
                 self.comm.broadcast(b.data, 0, tag="setup")
 
+    @override
+    def buffers_to_sync(self) -> list[torch.Tensor]:
+        # buffers of expert modules differ by design (each rank holds other experts)
+        experts = {id(p) for p in self.expert_params()}
+        shared = []
+        for module in self.lightning_module.modules():
+            own = list(module.parameters(recurse=False))
+            if own and all(id(p) in experts for p in own):
+                continue
+            shared.extend(module.buffers(recurse=False))
+        return shared
+
     # ------------------------------------------------------------------ gradients
 
     @override

@@ -226,6 +226,10 @@ class PeriodicSyncStrategy(CommStrategy):
 
     # ------------------------------------------------------------------ the schedule
 
+    @override
+    def schedule_counts_samples(self) -> bool:
+        return self.sync_period_unit == "samples"
+
     def _progress(self) -> int:
         return self.samples_per_worker if self.sync_period_unit == "samples" else self.optimizer_steps
 
@@ -310,6 +314,8 @@ class PeriodicSyncStrategy(CommStrategy):
                 reset_momentum(optimizer, ids)
         self.sync_history.append((f, pending.started_at, self.optimizer_steps))
         self.after_sync(f)
+        if f == self.num_fragments - 1:  # once per period: running statistics averaged as the weights are
+            self.sync_buffers(tag="weights")
 
     def after_sync(self, fragment: int) -> None:
         """Called after every outer step (of ``fragment``), once the local weights are updated."""
@@ -384,11 +390,8 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def state_dict(self) -> dict[str, Any]:
         inflight = None
+        self._wait_inflight()
         if self._inflight is not None:
-            if self._inflight.future is not None:
-                # every rank saves at the same step: the exchange completes
-                self._inflight.nonfinite = self._inflight.future.result()
-                self._inflight.future = None
             inflight = {
                 "fragment": self._inflight.fragment,
                 "started_at": self._inflight.started_at,
@@ -404,8 +407,16 @@ class PeriodicSyncStrategy(CommStrategy):
             "inflight": inflight,
         }
 
+    def _wait_inflight(self) -> None:
+        """Let the exchange in flight complete (every rank saves at the same step). Before either
+        state is read: the background thread is still writing the quantization residuals."""
+        if self._inflight is not None and self._inflight.future is not None:
+            self._inflight.nonfinite = self._inflight.future.result()
+            self._inflight.future = None
+
     @override
     def rank_state_dict(self) -> dict[str, Any]:
+        self._wait_inflight()
         return {
             "weights": self.flat_weights(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],

@@ -15,7 +15,8 @@ strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``preci
 (``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
 that rank at that step), ``state_trace`` (keep the strategy's state after every step) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
-average).
+average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
+``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,44 @@ class TinyMoELM(TinyLM):
         super().__init__(**{**moe, **kwargs})
 
 
-MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers, "lm": TinyLM, "moe": TinyMoELM}
+class BatchNormMlp(Mlp):
+    """The MLP with a BatchNorm between its layers: running statistics that each rank's data moves."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layer = nn.Sequential(nn.Linear(32, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+
+    def train_dataloader(self) -> DataLoader:  # other data on every rank: shifted by the rank
+        data = RandomDataset(32, 256)
+        data.data += self.trainer.global_rank
+        return DataLoader(data, batch_size=self.batch_size, shuffle=False)
+
+
+class UnevenMlp(Mlp):
+    """The MLP whose rank ``r`` trains on batches of ``batch_size + 2 r`` samples (a custom sampler's doing)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 256), batch_size=self.batch_size + 2 * self.trainer.global_rank)
+
+
+class BuffersAtEnd(L.Callback):
+    """The module's buffers when training ends, before the strategy's own end-of-fit hook."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.buffers = {k: v.detach().clone() for k, v in pl_module.named_buffers()}
+
+
+MODELS = {
+    "mlp": Mlp,
+    "manual2": ManualTwoOptimizers,
+    "lm": TinyLM,
+    "moe": TinyMoELM,
+    "bn": BatchNormMlp,
+    "uneven": UnevenMlp,
+}
 
 
 class Trace(L.Callback):
@@ -218,6 +256,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     strategy = L.pytorch.strategies.StrategyRegistry[strategy_name]["strategy"](**kwargs) if ours else strategy_name
     callbacks: list[L.Callback] = [CommStatsMonitor(summary_at_end=False)] if ours else []
     trace = Trace()
+    at_end = BuffersAtEnd()
+    callbacks.append(at_end)
     if sc.get("trace"):
         callbacks.append(trace)
     states = StateTrace()
@@ -267,7 +307,11 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "states": states.states,
         "precision": trainer.precision_plugin.state_dict(),
         "exchanges": exchanges,
+        "buffers_before_end": at_end.buffers,
     }
+    if ours:
+        result["sync_history"] = list(getattr(trainer.strategy, "sync_history", []))
+        result["samples_per_worker"] = trainer.strategy.samples_per_worker
     if ours:
         stats = trainer.strategy.comm_stats
         result["stats"] = stats.snapshot().as_dict()
