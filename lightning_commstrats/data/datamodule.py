@@ -99,6 +99,8 @@ class LMDataModule(L.LightningDataModule):
             raise ValueError(f"order (n-gram order) must be >= 2, got {order}")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
         if data_dir is not None and dataset_name is not None:
             raise ValueError("give data_dir or dataset_name, not both")
         self.save_hyperparameters()

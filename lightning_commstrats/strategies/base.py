@@ -65,7 +65,7 @@ class CommStrategy(ParallelStrategy):
     Args:
         backend: ``"auto"`` (NCCL on CUDA, gloo on CPU), ``"gloo"``, ``"nccl"`` or ``"mpi"``
             (mpi4py; start the ranks with ``mpiexec -n N``).
-        timeout: timeout of every torch.distributed collective.
+        timeout: timeout of every torch.distributed collective: a ``timedelta`` or seconds.
         start_method: how Lightning starts the ranks when it starts them itself: ``"popen"``
             (re-run the script, like ``ddp``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         bucket_cap_mb: largest fused buffer per collective, in MiB (default 25, as DDP). Bigger
@@ -97,7 +97,17 @@ class CommStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected keyword argument(s) {sorted(unknown)};"
+                f" see help(lightning_commstrats.{type(self).__name__}) for what it takes"
+            )
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {timeout!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
         if start_method not in START_METHODS:
@@ -384,27 +394,85 @@ class CommStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # Collective: every rank contributes its rank-local state to the one file rank 0 writes.
+        """Collective. Rank 0 writes the checkpoint (the model, the state shared by every rank); each
+        rank writes its own rank-local state (residuals, local weights and optimizer state...) to a
+        shard beside it, ``<file>.rank<r>-of-<N>``, so no rank ever holds another rank's state and
+        memory per rank stays that of one rank. The shards are written first and every rank waits
+        for all of them before rank 0 writes the file that names them: a checkpoint file that
+        exists is complete. Without a shared filesystem each node keeps its ranks' shards."""
         if self._comm is not None:
             self.sync_buffers()  # the file holds the ranks' agreed buffers, not rank 0's alone
             saved = checkpoint.get("state_dict", {})
             for name, b in self.lightning_module.named_buffers():
                 if name in saved:
                     saved[name] = b.detach().clone()
-            ranks = self._comm.all_gather_object(_to_cpu(self.rank_state_dict()), tag="checkpoint")
             checkpoint[STATE_KEY] = {
                 "strategy": type(self).__name__,
                 "world_size": self.world_size,
                 "state": _to_cpu(self.state_dict()),
-                "ranks": ranks,
             }
+            if self.world_size == 1:  # one process: its state goes in the file itself
+                checkpoint[STATE_KEY]["rank"] = _to_cpu(self.rank_state_dict())
+            else:
+                shards = [shard_name(filepath, r, self.world_size) for r in range(self.world_size)]
+                mine = os.path.join(os.path.dirname(str(filepath)), shards[self.global_rank])
+                self._write_shard(_to_cpu(self.rank_state_dict()), mine)
+                self._comm.barrier()
+                checkpoint[STATE_KEY]["shards"] = shards
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _write_shard(self, state: dict[str, Any], path: str) -> None:
+        """Write a shard whole or not at all. A local file is streamed by ``torch.save`` to a
+        temporary name and renamed (no in-memory copy of the state); other filesystems go through
+        the strategy's ``CheckpointIO``."""
+        if "://" in path:
+            self.checkpoint_io.save_checkpoint(state, path)
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)  # rank 0: the file
+        shard = os.path.join(os.path.dirname(str(filepath)), shard_name(filepath, self.global_rank, self.world_size))
+        if os.path.exists(shard):  # every rank: its own shard
+            self.checkpoint_io.remove_checkpoint(shard)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._pending_state = checkpoint.get(STATE_KEY)
+        saved = checkpoint.get(STATE_KEY)
+        if saved is not None:
+            saved = dict(saved)
+            if "ranks" in saved:  # the earlier format: every rank's state in the one file
+                ranks = saved.pop("ranks")
+                saved["rank"] = ranks[self.global_rank] if saved["world_size"] == self.world_size else None
+            elif "rank" in saved:  # saved by one process
+                pass
+            elif saved["world_size"] == self.world_size:  # this rank's shard only
+                shard = os.path.join(os.path.dirname(str(checkpoint_path)), saved["shards"][self.global_rank])
+                if not os.path.exists(shard):
+                    raise FileNotFoundError(
+                        f"{checkpoint_path} needs this rank's shard {shard} (rank {self.global_rank} of"
+                        f" {self.world_size}): every rank's shard must be where it was written"
+                    )
+                saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only)
+            else:
+                saved["rank"] = None
+        self._pending_state = saved
         return checkpoint
+
+    def pending_rank_state(self) -> dict[str, Any] | None:
+        """This rank's state from the checkpoint being restored, if any (before it is applied)."""
+        if self._pending_state is None or self._pending_state.get("strategy") != type(self).__name__:
+            return None
+        return self._pending_state.get("rank")
 
     def _restore_pending_state(self) -> None:
         saved, self._pending_state = self._pending_state, None
@@ -418,7 +486,7 @@ class CommStrategy(ParallelStrategy):
             problem = f"it was saved by {saved['world_size']} ranks and this run has {self.world_size}"
         else:
             try:
-                self.load_state_dict(saved["state"], _to_device(saved["ranks"][self.global_rank], self.root_device))
+                self.load_state_dict(saved["state"], _to_device(saved["rank"], self.root_device))
                 return
             except ValueError as err:
                 problem = str(err)
@@ -561,6 +629,11 @@ class CommStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
+
+
+def shard_name(filepath: Any, rank: int, world_size: int) -> str:
+    """The file name of rank ``rank``'s shard of the checkpoint ``filepath`` (beside it)."""
+    return f"{os.path.basename(str(filepath))}.rank{rank}-of-{world_size}"
 
 
 def _to_cpu(obj: Any) -> Any:

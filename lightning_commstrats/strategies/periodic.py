@@ -138,8 +138,12 @@ class PeriodicSyncStrategy(CommStrategy):
                 f"fragment_sync_delay={fragment_sync_delay} must be < sync_period / num_fragments ="
                 f" {sync_period}/{num_fragments}: a fragment's exchange must land before the next one starts"
             )
-        if not 0.0 <= fragment_update_alpha <= 1.0:
-            raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+        if not _is_number(fragment_update_alpha) or not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha must be a number in [0, 1], got {fragment_update_alpha!r}")
+        if not _is_number(outer_lr) or outer_lr <= 0:
+            raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}")
+        if not _is_number(outer_momentum) or not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
         self._outer_factory = resolve_outer_optimizer(outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs)
         super().__init__(**kwargs)
         self.sync_period = sync_period
@@ -462,6 +466,10 @@ class PeriodicSyncStrategy(CommStrategy):
         self._inflight = None
         if self._exchange is not None:
             self._exchange.reset()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def fragment_bounds(sizes: list[int], num_fragments: int) -> list[tuple[int, int]]:

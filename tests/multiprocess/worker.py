@@ -16,7 +16,10 @@ strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``preci
 that rank at that step), ``state_trace`` (keep the strategy's state after every step) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
 average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
-``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``).
+``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
+``save_memory``: after fit, save ``OUT_DIR/<scenario>.ckpt`` and keep how far resident memory rose.
+``validate_ckpt`` (``[scenario, step]``: validate that checkpoint instead of training), ``validate_after``
+(validate once fit ends); both keep ``val/loss``.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ class TinyLM(LanguageModel):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(StreamWindows(self.stream, 8, pad_id=2), batch_size=self.batch_size, shuffle=False)
 
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(StreamWindows(self.stream[:257], 8, pad_id=2), batch_size=self.batch_size)
+
 
 class TinyMoELM(TinyLM):
     """TinyLM as a two-block Transformer whose second FFN is a mixture of 4 experts."""
@@ -154,6 +160,36 @@ class UnevenMlp(Mlp):
         return DataLoader(RandomDataset(32, 256), batch_size=self.batch_size + 2 * self.trainer.global_rank)
 
 
+class WideMlp(Mlp):
+    """The MLP with a 2048 x 2048 hidden layer (16 MiB of weights, as much again of momentum): a
+    rank's state large enough that memory measurements of a checkpoint save see it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layer = nn.Sequential(nn.Linear(32, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, 2))
+
+
+def save_peak_memory(trainer: L.Trainer, path: Path) -> dict[str, int]:
+    """Save a checkpoint and return how far this process's resident memory rose above where it
+    started (the kernel's high-water mark, reset just before), and the rank state's size."""
+
+    def status(key: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key))
+        return int(line.split()[1]) * 1024
+
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(trainer.strategy.rank_state_dict()))
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    before = status("VmRSS:")
+    trainer.save_checkpoint(path)
+    return {"rise": status("VmHWM:") - before, "rank_state_bytes": state_bytes}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(value, torch.Tensor, found.append)
+    return found
+
+
 class BuffersAtEnd(L.Callback):
     """The module's buffers when training ends, before the strategy's own end-of-fit hook."""
 
@@ -171,6 +207,7 @@ MODELS = {
     "moe": TinyMoELM,
     "bn": BatchNormMlp,
     "uneven": UnevenMlp,
+    "wide": WideMlp,
 }
 
 
@@ -296,7 +333,14 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         callbacks=callbacks,
         plugins=plugins,
     )
-    trainer.fit(model, ckpt_path=ckpt_path)
+    val_loss = None
+    if sc.get("validate_ckpt"):  # evaluate a checkpoint of an earlier scenario instead of training
+        source, step = sc["validate_ckpt"]
+        val_loss = trainer.validate(model, ckpt_path=out / source / f"step={step}.ckpt", verbose=False)[0]["val/loss"]
+    else:
+        trainer.fit(model, ckpt_path=ckpt_path)
+        if sc.get("validate_after"):
+            val_loss = trainer.validate(model, verbose=False)[0]["val/loss"]
     result: dict[str, Any] = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": model.losses,
@@ -308,7 +352,17 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "precision": trainer.precision_plugin.state_dict(),
         "exchanges": exchanges,
         "buffers_before_end": at_end.buffers,
+        "val_loss": val_loss,
     }
+    if sc.get("ckpt_every") and not sc.get("validate_ckpt"):
+        # what the last checkpoint holds: the file's strategy state, this rank's shard
+        last = max((out / name).glob("step=*.ckpt"), key=lambda f: int(f.stem.split("=")[1]))
+        saved = torch.load(last, weights_only=False)[lightning_commstrats.strategies.base.STATE_KEY]
+        shard = out / name / saved["shards"][trainer.global_rank]
+        result["checkpoint"] = {"keys": sorted(saved), "shards": saved["shards"], "mine": torch.load(shard)}
+    if sc.get("save_memory"):
+        result["save_memory"] = save_peak_memory(trainer, out / f"{name}.ckpt")
+        result["files"] = sorted(p.name for p in out.glob(f"{name}.ckpt*"))
     if ours:
         result["sync_history"] = list(getattr(trainer.strategy, "sync_history", []))
         result["samples_per_worker"] = trainer.strategy.samples_per_worker

@@ -1,0 +1,67 @@
+"""Checkpoints on real ranks: each rank writes only its own state (a shard beside the file), so the
+memory of a save does not grow with the ranks; expert-parallel evaluation from a checkpoint uses
+every rank's own experts."""
+
+import pytest
+import torch
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+MIB = 2**20
+
+
+def test_a_save_holds_one_ranks_state_whatever_the_number_of_ranks():
+    # model averaging keeps every rank's local weights and momentum: 32 MiB a rank here
+    sc = {"model": "wide", "strategy": "model_averaging", "kwargs": {"sync_period": 2, "sync_period_unit": "steps"}}
+    sc.update(max_steps=2, batch_size=2, save_memory=True)
+    rises = {}
+    for world in (2, 4):
+        results = run_ranks({"scenarios": {"save": {**sc, "devices": world}}}, world, timeout=600)
+        files = results[0]["save"]["files"]
+        assert files == ["save.ckpt", *(f"save.ckpt.rank{r}-of-{world}" for r in range(world))]
+        state = results[0]["save"]["save_memory"]["rank_state_bytes"]
+        assert state > 30 * MIB
+        rises[world] = [r["save"]["save_memory"]["rise"] for r in results]
+        shown = ", ".join(f"{x / MIB:.0f}" for x in rises[world])
+        print(f"{world} ranks: resident memory rose by {shown} MiB on ranks 0.. during a save", end="")
+        print(f" ({state / MIB:.0f} MiB of rank state)")
+    # Gathering every rank's state onto every rank had made each rank rise by 2N + 1 states (its
+    # pickle, the gathered buffer, the unpickled copies). Now the ranks that only stream their shard
+    # barely move, and rank 0, which also writes the file (model, optimizer state, global model:
+    # the same for any N, give or take the allocator's 16 MiB steps), stays under 4 states.
+    for world in (2, 4):
+        assert max(rises[world][1:]) < 0.75 * state, world
+        assert rises[world][0] < 4 * state, world
+
+
+def test_shards_hold_each_ranks_own_state_and_the_file_none():
+    # period 3: at the checkpoint after step 4 each rank's local weights have moved on alone
+    sc = {"strategy": "model_averaging", "kwargs": {"sync_period": 3, "sync_period_unit": "steps"}}
+    sc.update(max_steps=4, ckpt_every=4, trace=True)
+    results = run_ranks({"scenarios": {"avg": sc}}, 2)
+    for res in results:
+        saved = res["avg"]["checkpoint"]
+        assert saved["keys"] == ["shards", "state", "strategy", "world_size"]  # no rank's own state in the file
+        assert saved["shards"] == ["step=4.ckpt.rank0-of-2", "step=4.ckpt.rank1-of-2"]
+        assert torch.equal(saved["mine"]["weights"], res["avg"]["trace"][3])  # this rank's weights at step 4
+    assert not torch.equal(results[0]["avg"]["trace"][3], results[1]["avg"]["trace"][3])
+
+
+def test_expert_parallel_validates_a_checkpoint_with_each_ranks_own_experts():
+    moe = {"model": "moe", "strategy": "expert_parallel", "kwargs": {"ep_size": 2}, "max_steps": 4, "ckpt_every": 4}
+    moe["val_every"] = 4
+    scenarios = {
+        "fit": {**moe, "validate_after": True},
+        "validate": {**moe, "validate_ckpt": ["fit", 4]},
+    }
+    results = run_ranks({"scenarios": scenarios}, 2)
+    for res in results:
+        fitted, validated = res["fit"], res["validate"]
+        # the model evaluated from the file is the one that was trained, experts and all, on every rank
+        for key, value in fitted["params"].items():
+            assert torch.equal(validated["params"][key], value), key
+        assert validated["val_loss"] == pytest.approx(fitted["val_loss"], rel=0, abs=0)
+    r0, r1 = (r["fit"]["params"] for r in results)
+    experts = [k for k in r0 if ".experts." in k]
+    assert experts and any(not torch.equal(r0[k], r1[k]) for k in experts)  # the ranks hold other experts
