@@ -31,6 +31,8 @@ CASES = [
     (AllReduceStrategy, {"start_method": "thread"}, ValueError, "start_method='thread' is not supported"),
     (AllReduceStrategy, {"resume_mismatch": "ignore"}, ValueError, "resume_mismatch='ignore' is not supported"),
     (AllReduceStrategy, {"nonfinite": "zero"}, ValueError, r"nonfinite='zero' is not supported; choose one of \('raise', 'skip'\)"),
+    (AllReduceStrategy, {"verify_sync_every": -1}, ValueError, "verify_sync_every must be an int >= 0"),
+    (ModelAveragingStrategy, {"verify_sync_action": "log"}, ValueError, "verify_sync_action='log' is not supported"),
     # an unknown keyword is reported against the class the user called
     (DiLoCoStrategy, {"sync_every": 4}, TypeError, r"DiLoCoStrategy got unexpected keyword argument\(s\) \['sync_every'\]"),
     (SampledVocabStrategy, {"gamma": 3}, TypeError, r"SampledVocabStrategy got unexpected keyword argument\(s\) \['gamma'\]"),

@@ -78,6 +78,12 @@ class CommStrategy(ParallelStrategy):
             naming the parameters, on every rank at once) or ``"skip"`` (every rank skips the step,
             or discards the block, and changes nothing: no update, no residual, no counter). Either
             way error-feedback residuals never take a non-finite value.
+        verify_sync_every: every this many optimizer steps, check that the replicas agree (the
+            weights every rank must hold bit for bit: all parameters for the gradient schemes, the
+            global model for the periodic ones, the dense parameters for ``expert_parallel``): two
+            float64 moments per tensor, one small all-gather. 0 (default) never checks.
+        verify_sync_action: ``"raise"`` (default: ``RuntimeError`` naming the tensors and ranks, on
+            every rank at once) or ``"warn"`` when the replicas disagree.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -92,6 +98,8 @@ class CommStrategy(ParallelStrategy):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         resume_mismatch: str = "error",
         nonfinite: str = "raise",
+        verify_sync_every: int = 0,
+        verify_sync_action: str = "raise",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -118,6 +126,14 @@ class CommStrategy(ParallelStrategy):
             raise ValueError(f"resume_mismatch={resume_mismatch!r} is not supported; choose one of {RESUME_MISMATCH}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is not supported; choose one of {NONFINITE_POLICIES}")
+        if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
+            raise ValueError(f"verify_sync_every must be an int >= 0 (0: never), got {verify_sync_every!r}")
+        if verify_sync_action not in ("raise", "warn"):
+            raise ValueError(
+                f"verify_sync_action={verify_sync_action!r} is not supported; choose one of ('raise', 'warn')"
+            )
+        self.verify_sync_every = verify_sync_every
+        self.verify_sync_action = verify_sync_action
         self._backend = backend
         self.resume_mismatch = resume_mismatch
         self.nonfinite = nonfinite
@@ -538,6 +554,8 @@ class CommStrategy(ParallelStrategy):
         else:  # as if the step's samples had not come: schedules in samples stay where they were
             self.samples_per_worker = self._samples_at_step
             self._samples_total_all_ranks = self._samples_at_step_all_ranks
+        if self.verify_sync_every and runs and self.optimizer_steps % self.verify_sync_every == 0:
+            self.verify_replicas()
         self.comm_stats.mark_step()
         return output
 
@@ -577,6 +595,36 @@ class CommStrategy(ParallelStrategy):
         if self._fused is None:
             self._fused = BucketedAllReduce(self.comm, int(self.bucket_cap_mb * 2**20))
         self._fused(tensors, tag=tag, exchange=exchange)
+
+    def replicated_tensors(self) -> dict[str, Tensor]:
+        """The tensors every rank must hold bit for bit (all parameters for a gradient scheme)."""
+        assert self.lightning_module is not None
+        return {n: p.detach() for n, p in self.lightning_module.named_parameters()}
+
+    def verify_replicas(self) -> list[str]:
+        """Check that the replicas agree: two float64 moments of every replicated tensor, gathered
+        from every rank (16 bytes a tensor) and compared exactly. Every rank sees the same gathered
+        values, so all of them raise (or warn) together. Returns the tensors that disagree."""
+        if self._comm is None or self.world_size == 1:
+            return []
+        named = self.replicated_tensors()
+        if not named:
+            return []
+        moments = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in named.values()])
+        every = self.comm.all_gather(moments, tag="control")  # [ranks, tensors, 2]
+        differs = (every != every[0]).any(-1)  # [ranks, tensors]
+        bad = [name for name, d in zip(named, differs.any(0).tolist(), strict=True) if d]
+        if bad:
+            ranks = [r for r in range(self.world_size) if bool(differs[r].any())]
+            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            message = (
+                f"{type(self).__name__}: replicas disagree at optimizer step {self.optimizer_steps}: {shown}"
+                f" differ between rank 0 and ranks {ranks}"
+            )
+            if self.verify_sync_action == "raise":
+                raise RuntimeError(message)
+            log.warning(message)
+        return bad
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called after every optimizer step, once the local update is applied."""

@@ -183,6 +183,11 @@ class ExpertParallelStrategy(AllReduceStrategy):
                 self.comm.broadcast(b.data, 0, tag="setup")
 
     @override
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        experts = {id(p) for p in self.expert_params()}  # each rank holds other experts
+        return {n: p.detach() for n, p in self.lightning_module.named_parameters() if id(p) not in experts}
+
+    @override
     def buffers_to_sync(self) -> list[torch.Tensor]:
         # buffers of expert modules differ by design (each rank holds other experts)
         experts = {id(p) for p in self.expert_params()}

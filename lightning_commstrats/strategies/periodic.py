@@ -231,6 +231,13 @@ class PeriodicSyncStrategy(CommStrategy):
     # ------------------------------------------------------------------ the schedule
 
     @override
+    def replicated_tensors(self) -> dict[str, Tensor]:
+        # each rank's local weights differ by design; the global model must not
+        if self.outer is None:
+            return {}
+        return {f"global model (fragment {f})": self.outer.global_weights(f) for f in range(self.num_fragments)}
+
+    @override
     def schedule_counts_samples(self) -> bool:
         return self.sync_period_unit == "samples"
 

@@ -51,3 +51,22 @@ def test_ranks_with_uneven_batches_agree_on_a_schedule_in_samples():
         for key, value in r0["params"].items():
             assert torch.equal(value, r1["params"][key]), (name, key)
     assert results[0]["onebit"]["stats"].get("grad_quantized/calls", 0) > 0
+
+
+def test_verify_sync_finds_replicas_that_diverged_and_every_rank_raises():
+    check = {"verify_sync_every": 1}
+    scenarios = {
+        "allreduce": {"strategy": "allreduce", "kwargs": check, "max_steps": 4},
+        "diloco": {"strategy": "diloco", "kwargs": {**check, "sync_period": 2}, "max_steps": 4},
+    }
+    results = run_ranks({"scenarios": scenarios}, 2)  # replicas that agree pass the check every step
+    for r in results:
+        assert r["allreduce"]["stats"]["control/calls"] >= 4
+    # rank 1's weights moved by 1e-3 after step 2: the check after step 3 names the parameter
+    broken = {"broken": {"strategy": "allreduce", "kwargs": check, "max_steps": 6, "perturb": [2, 1]}}
+    with pytest.raises(RuntimeError, match="failed") as info:
+        run_ranks({"scenarios": broken}, 2, timeout=120)
+    logs = str(info.value).split("--- log ")[1:]
+    assert len(logs) == 2
+    for log in logs:
+        assert "replicas disagree at optimizer step 3: layer.0.weight differ between rank 0 and ranks [1]" in log

@@ -13,7 +13,8 @@ into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that 
 ``model_kwargs`` (model arguments; model "lm" is a small LanguageModel on synthetic tokens, and a
 strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``precision``
 (``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
-that rank at that step), ``state_trace`` (keep the strategy's state after every step) and
+that rank at that step), ``perturb`` (``[step, rank]``: 1e-3 added to one parameter of that rank
+after that step), ``state_trace`` (keep the strategy's state after every step) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
 average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
 ``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
@@ -241,6 +242,18 @@ class InjectInf(L.Callback):
             next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
 
 
+class Perturb(L.Callback):
+    """Adds 1e-3 to the first parameter on one rank after one optimizer step: replicas that diverge."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                next(pl_module.parameters()).add_(1e-3)
+
+
 class StateTrace(L.Callback):
     """The strategy's own state (shared and rank-local) and the loss scale after every step."""
 
@@ -302,6 +315,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         callbacks.append(states)
     if sc.get("inject_inf"):
         callbacks.append(InjectInf(*sc["inject_inf"]))
+    if sc.get("perturb"):
+        callbacks.append(Perturb(*sc["perturb"]))
     plugins = [lightning_commstrats.LayeredMixedPrecision(**sc["precision"])] if sc.get("precision") else []
     if sc.get("ckpt_every"):
         callbacks.append(
