@@ -101,6 +101,14 @@ class AllReduceStrategy(CommStrategy):
         self.report_nonfinite(bad)
 
     @override
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        # Gradient schemes keep only error-feedback residuals per rank, cut in stripes that depend
+        # on the number of ranks: they restart at zero (the counters and the model are shared).
+        return {key: {} for key in self.rank_state_dict()}
+
+    @override
     def schedule_counts_samples(self) -> bool:
         # a compressed exchange whose full-precision warm start ends after a number of samples
         compression: GradientCompression | None = getattr(self, "compression", None)

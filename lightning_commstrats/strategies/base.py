@@ -51,7 +51,7 @@ from lightning_commstrats.compression.exchange import BucketedAllReduce
 log = logging.getLogger(__name__)
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-RESUME_MISMATCH = ("error", "reset")
+RESUME_MISMATCH = ("error", "reset", "reshard")
 NONFINITE_POLICIES = ("raise", "skip")
 STATE_KEY = "lightning_commstrats"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -71,8 +71,10 @@ class CommStrategy(ParallelStrategy):
         bucket_cap_mb: largest fused buffer per collective, in MiB (default 25, as DDP). Bigger
             buckets mean fewer collectives (less latency) but a bigger temporary copy.
         resume_mismatch: what to do when a checkpoint's strategy state does not fit this run
-            (another world size, other parameter shapes): ``"error"`` (default) or ``"reset"``
-            (start the state afresh, with a warning).
+            (another world size, other parameter shapes): ``"error"`` (default), ``"reset"``
+            (start the state afresh, with a warning) or ``"reshard"`` (another number of ranks:
+            keep the state every rank shares and rebuild the rank-local part, where the scheme
+            allows it; see :meth:`resharded_rank_state`).
         nonfinite: what to do when an exchanged average (gradients, or a periodic scheme's
             pseudo-gradient) holds an inf or a NaN: ``"raise"`` (default: ``FloatingPointError``
             naming the parameters, on every rank at once) or ``"skip"`` (every rank skips the step,
@@ -479,10 +481,24 @@ class CommStrategy(ParallelStrategy):
                         f" {self.world_size}): every rank's shard must be where it was written"
                     )
                 saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only)
+            elif self.resume_mismatch == "reshard" and saved.get("shards"):
+                # another number of ranks: rank r starts from old rank r mod N_old's state
+                old = self.global_rank % saved["world_size"]
+                shard = os.path.join(os.path.dirname(str(checkpoint_path)), saved["shards"][old])
+                exists = os.path.exists(shard)
+                saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only) if exists else None
             else:
                 saved["rank"] = None
         self._pending_state = saved
         return checkpoint
+
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        """The rank-local state to restore on another number of ranks, from the shared ``state`` and
+        the state of old rank ``global_rank mod saved_world_size`` (``None`` if its shard is not
+        here). Raises ``ValueError`` where the scheme's state cannot be re-split."""
+        raise ValueError(f"{type(self).__name__} cannot re-split its state over another number of ranks")
 
     def pending_rank_state(self) -> dict[str, Any] | None:
         """This rank's state from the checkpoint being restored, if any (before it is applied)."""
@@ -500,6 +516,14 @@ class CommStrategy(ParallelStrategy):
             return
         if saved["world_size"] != self.world_size:
             problem = f"it was saved by {saved['world_size']} ranks and this run has {self.world_size}"
+            if self.resume_mismatch == "reshard":
+                try:
+                    rank_state = self.resharded_rank_state(saved["state"], saved.get("rank"), saved["world_size"])
+                    self.load_state_dict(saved["state"], _to_device(rank_state, self.root_device))
+                    log.warning("%s: %s; its state was re-split over this run's ranks", name, problem)
+                    return
+                except ValueError as err:
+                    problem = f"{problem}, and {err}"
         else:
             try:
                 self.load_state_dict(saved["state"], _to_device(saved["rank"], self.root_device))
@@ -512,7 +536,8 @@ class CommStrategy(ParallelStrategy):
             return
         raise ValueError(
             f"{name} cannot restore its state from the checkpoint: {problem}."
-            f" Pass {name}(resume_mismatch='reset') to start that state afresh."
+            f" Pass {name}(resume_mismatch='reset') to start that state afresh"
+            + ("." if self.resume_mismatch == "reshard" else " (or 'reshard' to re-split it over these ranks).")
         )
 
     # ------------------------------------------------------------------ the optimizer step

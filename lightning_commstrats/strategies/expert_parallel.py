@@ -183,6 +183,12 @@ class ExpertParallelStrategy(AllReduceStrategy):
                 self.comm.broadcast(b.data, 0, tag="setup")
 
     @override
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        raise ValueError("expert_parallel does not re-shard experts over another number of ranks")
+
+    @override
     def replicated_tensors(self) -> dict[str, torch.Tensor]:
         experts = {id(p) for p in self.expert_params()}  # each rank holds other experts
         return {n: p.detach() for n, p in self.lightning_module.named_parameters() if id(p) not in experts}

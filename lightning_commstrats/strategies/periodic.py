@@ -418,6 +418,22 @@ class PeriodicSyncStrategy(CommStrategy):
             "inflight": inflight,
         }
 
+    @override
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        # The global model, the outer optimizer, the schedule and an exchange in flight (already
+        # averaged) are the same on every rank and carry over as they are. Each rank's local
+        # weights restart from their block's start point (the block's local steps are dropped;
+        # before the first block every rank holds the same weights), its inner optimizer state is
+        # old rank (r mod N_old)'s, and the quantization residuals, cut in stripes that depend on
+        # the number of ranks, restart at zero.
+        if rank_state is None:
+            raise ValueError(f"the shard of old rank {self.global_rank % saved_world_size} is not here")
+        started = (state.get("outer") or {}).get("weights") is not None
+        weights = None if started else rank_state["weights"]
+        return {"weights": weights, "optimizers": rank_state["optimizers"], "exchange": None}
+
     def _wait_inflight(self) -> None:
         """Let the exchange in flight complete (every rank saves at the same step). Before either
         state is read: the background thread is still writing the quantization residuals."""
@@ -437,7 +453,7 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         n = sum(p.numel() for p in self.params)
-        if rank_state["weights"].numel() != n:
+        if rank_state["weights"] is not None and rank_state["weights"].numel() != n:
             raise ValueError(f"it holds {rank_state['weights'].numel()} weights and this model has {n}")
         sizes = [sum(p.numel() for p in self.fragment_params(k)) for k in range(self.num_fragments)]
         outer = OuterOptimizer(self.outer_factory())
@@ -460,7 +476,11 @@ class PeriodicSyncStrategy(CommStrategy):
             grad = saved["grad"].to(self.root_device, torch.float32)
             self._inflight = _Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
             self._inflight.nonfinite = saved.get("nonfinite")
-        self.load_flat(rank_state["weights"].to(self.root_device))
+        if rank_state["weights"] is not None:
+            self.load_flat(rank_state["weights"].to(self.root_device))
+        elif self.outer is not None:  # resharded: every fragment restarts from its block's start point
+            for f in range(self.num_fragments):
+                self.load_flat(self.outer.start_point(f), f)
         for optimizer, opt_state in zip(self.optimizers, rank_state["optimizers"], strict=True):
             optimizer.load_state_dict(opt_state)
         if rank_state["exchange"] is not None:

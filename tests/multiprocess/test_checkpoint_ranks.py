@@ -65,3 +65,47 @@ def test_expert_parallel_validates_a_checkpoint_with_each_ranks_own_experts():
     r0, r1 = (r["fit"]["params"] for r in results)
     experts = [k for k in r0 if ".experts." in k]
     assert experts and any(not torch.equal(r0[k], r1[k]) for k in experts)  # the ranks hold other experts
+
+
+def _reshard(tmp_path, strategy, kwargs, before, after):
+    """Train on ``before`` ranks to step 6 (mid-block), resume on ``after`` ranks to step 10."""
+    first = {"strategy": strategy, "kwargs": kwargs, "max_steps": 6, "ckpt_every": 6, "state_trace": True}
+    first.update(devices=before, ckpt_dir=str(tmp_path / strategy))
+    saved = run_ranks({"scenarios": {"first": first}}, before)[0]["first"]
+    path = str(tmp_path / strategy / "step=6.ckpt")
+    resumed = {"strategy": strategy, "kwargs": {**kwargs, "resume_mismatch": "reshard"}, "max_steps": 10}
+    resumed.update(devices=after, resume_path=path, state_trace=True)
+    return saved, run_ranks({"scenarios": {"resumed": resumed}}, after), path
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
+def test_reshard_keeps_the_global_model_and_the_schedule_on_another_number_of_ranks(tmp_path, before, after):
+    kwargs = {"sync_period": 4, "pseudo_grad_bits": 4, "small_tensor_numel": 0}
+    saved, results, _ = _reshard(tmp_path, "diloco", kwargs, before, after)
+    at_save = saved["states"][5]["state"]  # after step 6: the block that began at step 4 is half done
+    for res in results:
+        states = res["resumed"]["states"]
+        first = states[0]["state"]  # after step 7: no sync yet
+        assert first["optimizer_steps"] == 7 and first["block_start"] == at_save["block_start"] == [4]
+        for w, v in zip(first["outer"]["weights"], at_save["outer"]["weights"], strict=True):
+            assert torch.equal(w, v)  # the global model and its momentum carried over exactly
+        momenta = [first["outer"]["optimizer"]["state"], at_save["outer"]["optimizer"]["state"]]
+        for m, n in zip(*(x.values() for x in momenta), strict=True):
+            assert torch.equal(m["momentum_buffer"], n["momentum_buffer"])
+        assert states[1]["state"]["outer"]["syncs"] != first["outer"]["syncs"]  # the block ends at step 8
+    for res in results[1:]:
+        for key, value in res["resumed"]["params"].items():
+            assert torch.equal(value, results[0]["resumed"]["params"][key]), key
+
+
+def test_reshard_restarts_the_residuals_of_a_gradient_scheme(tmp_path):
+    _, results, path = _reshard(tmp_path, "onebit_sgd", {"small_tensor_numel": 64}, 2, 4)
+    for res in results:
+        states = res["resumed"]["states"]
+        assert [s["state"]["optimizer_steps"] for s in states] == [7, 8, 9, 10]
+        assert states[0]["rank"]["residuals"]  # new residuals, cut for 4 ranks
+    # without "reshard" the mismatch is an error that says what to pass
+    plain = {"strategy": "onebit_sgd", "kwargs": {"small_tensor_numel": 64}, "max_steps": 10, "resume_path": path}
+    with pytest.raises(RuntimeError, match="failed") as info:
+        run_ranks({"scenarios": {"plain": {**plain, "devices": 4}}}, 4, timeout=120)
+    assert "saved by 2 ranks and this run has 4" in str(info.value) and "'reshard'" in str(info.value)

@@ -8,7 +8,8 @@ Scenario keys: ``strategy`` ("ddp" or a package registry name), ``kwargs`` (stra
 ``model`` ("mlp" or "manual2": two optimizers under manual optimization), ``devices``,
 ``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``, ``trace`` (keep
 the flat parameters after every step), ``ckpt_every`` (save a checkpoint every that many steps
-into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that checkpoint),
+into ``OUT_DIR/<scenario>``, or ``ckpt_dir``), ``resume`` (``[scenario, step]``: start from that
+checkpoint; ``resume_path``: from a checkpoint file of another run),
 ``val_every`` (validate every that many batches and keep the flat parameters seen by validation),
 ``model_kwargs`` (model arguments; model "lm" is a small LanguageModel on synthetic tokens, and a
 strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``precision``
@@ -321,13 +322,18 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     if sc.get("ckpt_every"):
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
-                dirpath=out / name, filename="{step}", every_n_train_steps=sc["ckpt_every"], save_top_k=-1
+                dirpath=sc.get("ckpt_dir", out / name),
+                filename="{step}",
+                every_n_train_steps=sc["ckpt_every"],
+                save_top_k=-1,
             )
         )
     ckpt_path = None
     if sc.get("resume"):
         source, step = sc["resume"]
         ckpt_path = out / source / f"step={step}.ckpt"
+    if sc.get("resume_path"):  # a checkpoint written by another run (another number of ranks)
+        ckpt_path = sc["resume_path"]
     exchanges: list[dict[str, Any]] = []
     if sc.get("record_exchange"):
         record_pseudo_gradients(strategy, exchanges)
@@ -369,7 +375,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "buffers_before_end": at_end.buffers,
         "val_loss": val_loss,
     }
-    if sc.get("ckpt_every") and not sc.get("validate_ckpt"):
+    if sc.get("ckpt_every") and not sc.get("validate_ckpt") and not sc.get("ckpt_dir"):
         # what the last checkpoint holds: the file's strategy state, this rank's shard
         last = max((out / name).glob("step=*.ckpt"), key=lambda f: int(f.stem.split("=")[1]))
         saved = torch.load(last, weights_only=False)[lightning_commstrats.strategies.base.STATE_KEY]
