@@ -239,11 +239,28 @@ class Communicator(ABC):
 
     def _timed(self, tag: str, nbytes: int, result: Tensor | None, fn: Callable[[], None]) -> None:
         start = time.perf_counter()
-        fn()
+        try:
+            fn()
+        except Exception as err:  # a peer died or hung: say which, on this rank, and stop
+            why = self._diagnose()
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world_size}: a collective ({tag}) failed after"
+                f" {time.perf_counter() - start:.1f} s{': ' + why if why else ''}. {err}"
+            ) from err
         if result is not None and result.is_cuda:
             # Collectives on CUDA are asynchronous to the host: wait, or the time would be launch time.
             torch.cuda.current_stream(result.device).synchronize()
         self.stats.record(tag, nbytes, time.perf_counter() - start)
+
+    def _diagnose(self) -> str:
+        """Why a collective may have failed (which peer stopped), where the backend can tell."""
+        return ""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: a peer stopped (killed, out of memory, exited on an error),
+    hung past the timeout, or the network broke. The message names the peers that stopped when the
+    backend can tell."""
 
 
 class LocalCommunicator(Communicator):

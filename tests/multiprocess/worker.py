@@ -15,7 +15,8 @@ checkpoint; ``resume_path``: from a checkpoint file of another run),
 strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``precision``
 (``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
 that rank at that step), ``perturb`` (``[step, rank]``: 1e-3 added to one parameter of that rank
-after that step), ``state_trace`` (keep the strategy's state after every step) and
+after that step), ``marker_at`` (touch ``OUT_DIR/running<rank>`` after that step),
+``state_trace`` (keep the strategy's state after every step) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
 average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
 ``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
@@ -255,6 +256,17 @@ class Perturb(L.Callback):
                 next(pl_module.parameters()).add_(1e-3)
 
 
+class Marker(L.Callback):
+    """Touches ``<out>/running<rank>`` after one optimizer step: the run is under way."""
+
+    def __init__(self, out: Path, step: int) -> None:
+        self.out, self.step = out, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            (self.out / f"running{trainer.global_rank}").touch()
+
+
 class StateTrace(L.Callback):
     """The strategy's own state (shared and rank-local) and the loss scale after every step."""
 
@@ -318,6 +330,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         callbacks.append(InjectInf(*sc["inject_inf"]))
     if sc.get("perturb"):
         callbacks.append(Perturb(*sc["perturb"]))
+    if sc.get("marker_at"):
+        callbacks.append(Marker(out, sc["marker_at"]))
     plugins = [lightning_commstrats.LayeredMixedPrecision(**sc["precision"])] if sc.get("precision") else []
     if sc.get("ckpt_every"):
         callbacks.append(
