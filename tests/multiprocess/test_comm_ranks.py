@@ -1,7 +1,8 @@
-"""The communication layer on real ranks: results against local references, bytes against wire.py."""
+"""The communication layer on real ranks: results against local references, bytes against the buffers
+each rank handed to the backend (and against wire.py)."""
 
 import pytest
-from harness import WORKER, run_ranks
+from harness import WORKER, ring_bytes, run_ranks
 
 from lightning_commstrats.comm import wire
 
@@ -9,14 +10,6 @@ COMM_WORKER = WORKER.parent / "comm_worker.py"
 NUMELS = [1000, 1001, 7]
 
 pytestmark = pytest.mark.multiprocess
-
-
-def _ring_bytes(numel, itemsize, world, passes):
-    """What one rank sends in a ring over a buffer of ``numel`` elements: ``passes`` rounds (2 for an
-    all-reduce, 1 for a reduce-scatter) of ``world - 1`` chunks of ``ceil(numel / world)`` elements,
-    written out here rather than taken from wire.py."""
-    chunk = -(-numel // world)
-    return passes * (world - 1) * chunk * itemsize
 
 
 def _check_against_payloads(results, world):
@@ -29,7 +22,7 @@ def _check_against_payloads(results, world):
             ("reduce_scatter_bf16", 1),
         ]:
             ((_, numel, itemsize),) = handed[name]
-            assert rec[name] == _ring_bytes(numel, itemsize, world, passes), (rank, name, handed[name])
+            assert rec[name] == ring_bytes(numel, itemsize, world, passes), (rank, name, handed[name])
         ((_, numel, itemsize),) = handed["all_gather"]
         assert rec["all_gather"] == (world - 1) * numel * itemsize  # forwards every part but its own
         ((_, numel, itemsize),) = handed["broadcast"]
