@@ -27,11 +27,12 @@ def test_a_save_holds_one_ranks_state_whatever_the_number_of_ranks():
         print(f"{world} ranks: resident memory rose by {shown} MiB on ranks 0.. during a save", end="")
         print(f" ({state / MIB:.0f} MiB of rank state)")
     # Gathering every rank's state onto every rank had made each rank rise by 2N + 1 states (its
-    # pickle, the gathered buffer, the unpickled copies). Now the ranks that only stream their shard
-    # barely move, and rank 0, which also writes the file (model, optimizer state, global model:
-    # the same for any N, give or take the allocator's 16 MiB steps), stays under 4 states.
+    # pickle, the gathered buffer, the unpickled copies: 211-374 MiB here). Now a rank that only
+    # streams its shard rises by at most its flat copy of the weights (0 to 33 MiB, in the
+    # allocator's 16 MiB steps), and rank 0, which also writes the file (model, optimizer state,
+    # global model: the same for any N), stays under 4 states.
     for world in (2, 4):
-        assert max(rises[world][1:]) < 0.75 * state, world
+        assert max(rises[world][1:]) < 1.5 * state, world
         assert rises[world][0] < 4 * state, world
 
 
