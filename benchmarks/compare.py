@@ -219,6 +219,54 @@ def entries() -> list[Entry]:
             "ours",
             {"scheme": "ring", "period": h, "scale": 4 / 32},
         ),
+        Entry(
+            "streaming_diloco_h8",
+            "streaming diloco (tuned: H 8, 4 fragments, 4-bit)",
+            {
+                "class_path": "lightning_commstrats.StreamingDiLoCoStrategy",
+                "init_args": {
+                    "sync_period": 8,
+                    "num_fragments": 4,
+                    "fragment_sync_delay": 1,
+                    "fragment_update_alpha": 0.0,
+                    "pseudo_grad_bits": 4,
+                },
+            },
+            "ours",
+            {"scheme": "ring", "period": 8, "scale": 4 / 32},
+        ),
+        Entry(
+            "diloco_4bit_h64",
+            "diloco (tuned: H 64, 4-bit)",
+            {
+                "class_path": "lightning_commstrats.DiLoCoStrategy",
+                "init_args": {
+                    "sync_period": 64,
+                    "sync_period_unit": "steps",
+                    "outer_lr": 0.7,
+                    "outer_momentum": 0.9,
+                    "pseudo_grad_bits": 4,
+                },
+            },
+            "ours",
+            {"scheme": "ring", "period": 64, "scale": 4 / 32},
+        ),
+        Entry(
+            "diloco_4bit_h8",
+            "diloco (tuned: H 8, 4-bit)",
+            {
+                "class_path": "lightning_commstrats.DiLoCoStrategy",
+                "init_args": {
+                    "sync_period": 8,
+                    "sync_period_unit": "steps",
+                    "outer_lr": 0.7,
+                    "outer_momentum": 0.9,
+                    "pseudo_grad_bits": 4,
+                },
+            },
+            "ours",
+            {"scheme": "ring", "period": 8, "scale": 4 / 32},
+        ),
     ]
 
 

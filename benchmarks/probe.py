@@ -9,7 +9,9 @@ package's strategies, the ``comm_stats`` figures.
 
 Training time excludes validation: the clock runs from the end of one training batch to the end of
 the next, and the stretch from the last batch before a validation to the end of that validation
-(the stop decision included) is booked as validation time. Bytes and ``comm_stats`` sent during
+(the stop decision included) is booked as validation time. A background exchange still in flight
+when a validation is due is waited for before that batch ends, so its time and bytes count as
+training (the overlap it gets is only with training compute). Bytes and ``comm_stats`` sent during
 validation (metric synchronisation, the decision broadcast) are booked there too, so the figures
 per step are those of training alone.
 
@@ -102,6 +104,14 @@ class BenchProbe(L.Callback):
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step % max(int(trainer.val_check_batch), 1) == 0:
+            # A validation follows. An exchange still running in the background (streaming_diloco)
+            # would finish during it, its seconds and bytes booked to validation: wait for it here,
+            # so that it counts as training and never hides behind the validation pause.
+            inflight = getattr(trainer.strategy, "_inflight", None)
+            future = getattr(inflight, "future", None)
+            if future is not None:
+                future.result()
         now = time.perf_counter()
         self.step_seconds.append(now - self._batch_start)
         self.train_seconds += now - self._mark
