@@ -236,6 +236,22 @@ def entries() -> list[Entry]:
             {"scheme": "ring", "period": 8, "scale": 4 / 32},
         ),
         Entry(
+            "diloco_4bit_h16",
+            "diloco (tuned: H 16, 4-bit)",
+            {
+                "class_path": "lightning_commstrats.DiLoCoStrategy",
+                "init_args": {
+                    "sync_period": 16,
+                    "sync_period_unit": "steps",
+                    "outer_lr": 0.7,
+                    "outer_momentum": 0.9,
+                    "pseudo_grad_bits": 4,
+                },
+            },
+            "ours",
+            {"scheme": "ring", "period": 16, "scale": 4 / 32},
+        ),
+        Entry(
             "diloco_4bit_h64",
             "diloco (tuned: H 64, 4-bit)",
             {
