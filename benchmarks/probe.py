@@ -28,6 +28,7 @@ by at most ``val_check_interval`` steps.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -104,7 +105,8 @@ class BenchProbe(L.Callback):
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step % max(int(trainer.val_check_batch), 1) == 0:
+        every = getattr(trainer, "val_check_batch", None)
+        if isinstance(every, (int, float)) and math.isfinite(every) and trainer.global_step % max(int(every), 1) == 0:
             # A validation follows. An exchange still running in the background (streaming_diloco)
             # would finish during it, its seconds and bytes booked to validation: wait for it here,
             # so that it counts as training and never hides behind the validation pause.

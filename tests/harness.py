@@ -133,3 +133,14 @@ def _tails(logs: list) -> str:
         f.seek(0)
         parts.append(f"--- log {r} ---\n" + f.read()[-4000:])
     return "\n".join(parts)
+
+
+def ring_bytes(numel: int, itemsize: int, world: int, passes: int = 2) -> int:
+    """What one rank sends in a ring over a buffer of ``numel`` elements, written out for the tests
+    (not taken from ``lightning_commstrats.comm.wire``, whose charges they check): ``passes`` rounds
+    (2 for an all-reduce: reduce-scatter then all-gather) of ``world - 1`` chunks of
+    ``ceil(numel / world)`` elements."""
+    if world == 1 or numel == 0:
+        return 0
+    chunk = -(-numel // world)
+    return passes * (world - 1) * chunk * itemsize

@@ -10,12 +10,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from lightning_commstrats.comm import wire
-from lightning_commstrats.comm.base import REDUCE_OPS, Communicator, LocalCommunicator
+from lightning_commstrats.comm.base import REDUCE_OPS, CollectiveError, Communicator, LocalCommunicator
 from lightning_commstrats.comm.mpi import MPI4PY_AVAILABLE, MPICommunicator, import_mpi
 from lightning_commstrats.comm.stats import CommCounters, CommSnapshot, CommStats, delta
-from lightning_commstrats.comm.torch_dist import TorchCommunicator, destroy_process_group, init_process_group
+from lightning_commstrats.comm.torch_dist import Heartbeat, TorchCommunicator, destroy_process_group, init_process_group
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
@@ -23,10 +24,12 @@ __all__ = [
     "BACKENDS",
     "MPI4PY_AVAILABLE",
     "REDUCE_OPS",
+    "CollectiveError",
     "CommCounters",
     "CommSnapshot",
     "CommStats",
     "Communicator",
+    "Heartbeat",
     "LocalCommunicator",
     "MPICommunicator",
     "TorchCommunicator",
@@ -99,4 +102,5 @@ def create_communicator(
         device=device,
         timeout=timeout,
     )
-    return TorchCommunicator()
+    store = dist.distributed_c10d._get_default_store()  # the world group's rendezvous store
+    return TorchCommunicator(heartbeat=Heartbeat(store, rank, world_size))

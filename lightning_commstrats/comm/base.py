@@ -62,7 +62,7 @@ class Communicator(ABC):
         if self.world_size == 1:
             return tensor
         _check_contiguous(tensor, "tensor")
-        nbytes = wire.all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+        nbytes = wire.all_reduce_bytes(tensor.numel(), self._reduce_itemsize(tensor), self.world_size)
         self._timed(tag, nbytes, tensor, lambda: self._all_reduce(tensor, "sum" if op == "avg" else op))
         if op == "avg":
             tensor.div_(self.world_size)
@@ -80,7 +80,7 @@ class Communicator(ABC):
             return tensor.clone()
         _check_contiguous(tensor, "tensor")
         out = tensor.new_empty(tensor.numel() // self.world_size)
-        nbytes = wire.reduce_scatter_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+        nbytes = wire.reduce_scatter_bytes(tensor.numel(), self._reduce_itemsize(tensor), self.world_size)
         self._timed(tag, nbytes, out, lambda: self._reduce_scatter(out, tensor, "sum" if op == "avg" else op))
         if op == "avg":
             out.div_(self.world_size)
@@ -212,6 +212,11 @@ class Communicator(ABC):
 
     # ------------------------------------------------------------------ backend hooks
 
+    def _reduce_itemsize(self, tensor: Tensor) -> int:
+        """Bytes per element a reduction of ``tensor`` puts on the wire (a backend that stages a
+        dtype in a wider one says so here, so that it is charged what it really sends)."""
+        return tensor.element_size()
+
     @abstractmethod
     def _all_reduce(self, tensor: Tensor, op: str) -> None: ...
 
@@ -234,11 +239,28 @@ class Communicator(ABC):
 
     def _timed(self, tag: str, nbytes: int, result: Tensor | None, fn: Callable[[], None]) -> None:
         start = time.perf_counter()
-        fn()
+        try:
+            fn()
+        except Exception as err:  # a peer died or hung: say which, on this rank, and stop
+            why = self._diagnose()
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world_size}: a collective ({tag}) failed after"
+                f" {time.perf_counter() - start:.1f} s{': ' + why if why else ''}. {err}"
+            ) from err
         if result is not None and result.is_cuda:
             # Collectives on CUDA are asynchronous to the host: wait, or the time would be launch time.
             torch.cuda.current_stream(result.device).synchronize()
         self.stats.record(tag, nbytes, time.perf_counter() - start)
+
+    def _diagnose(self) -> str:
+        """Why a collective may have failed (which peer stopped), where the backend can tell."""
+        return ""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: a peer stopped (killed, out of memory, exited on an error),
+    hung past the timeout, or the network broke. The message names the peers that stopped when the
+    backend can tell."""
 
 
 class LocalCommunicator(Communicator):

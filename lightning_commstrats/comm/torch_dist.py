@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -18,19 +20,70 @@ log = logging.getLogger(__name__)
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+class Heartbeat:
+    """Every rank bumps a counter in the rendezvous store from a background thread, so that a rank
+    whose collective fails can name the peers that stopped (killed, out of memory, exited on an
+    exception) instead of only reporting a closed connection.
+
+    Args:
+        store: the process group's key-value store (hosted by rank 0's process).
+        rank: this process's global rank.
+        world_size: number of ranks.
+        interval: seconds between beats.
+    """
+
+    PREFIX = "commstrats/heartbeat/"
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float = 0.5) -> None:
+        self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="commstrats-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(f"{self.PREFIX}{self.rank}", 1)
+            except Exception:  # the store's host is gone; the collectives will say so
+                return
+            self._stop.wait(self.interval)
+
+    def stopped_peers(self) -> list[int] | None:
+        """The other ranks whose counter did not move over four beats, leaving out those that
+        reported a failed collective themselves (they saw the same dead peer and are leaving too);
+        ``None`` when the store cannot be reached (rank 0's process, which hosts it, is gone)."""
+        try:
+            self.store.set(f"{self.PREFIX}failed/{self.rank}", "1")
+            before = [int(self.store.add(f"{self.PREFIX}{r}", 0)) for r in range(self.world_size)]
+            time.sleep(4 * self.interval)
+            after = [int(self.store.add(f"{self.PREFIX}{r}", 0)) for r in range(self.world_size)]
+            reported = set(r for r in range(self.world_size) if self.store.check([f"{self.PREFIX}failed/{r}"]))
+        except Exception:
+            return None
+        return [r for r in range(self.world_size) if r not in reported and after[r] == before[r]]
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 class TorchCommunicator(Communicator):
     """Collectives on a ``torch.distributed`` process group.
 
     Args:
         group: the process group; ``None`` is the default (world) group, which must be initialised
             (see :func:`init_process_group`).
+        heartbeat: the ranks' liveness counters, to name a peer that stopped when a collective
+            fails (shared with subgroups and duplicates).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None, heartbeat: Heartbeat | None = None
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
         self.group = group
         self.backend = str(dist.get_backend(group))
+        self.heartbeat = heartbeat
         super().__init__(rank=dist.get_rank(group), world_size=dist.get_world_size(group), stats=stats)
 
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
@@ -39,11 +92,21 @@ class TorchCommunicator(Communicator):
             group = dist.new_group([self._global(r) for r in ranks])
             if i == mine:
                 made = group
-        return TorchCommunicator(made, stats=self.stats)
+        return TorchCommunicator(made, stats=self.stats, heartbeat=self.heartbeat)
 
     def _duplicate(self) -> Communicator:
         ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
-        return TorchCommunicator(dist.new_group(ranks), stats=self.stats)
+        return TorchCommunicator(dist.new_group(ranks), stats=self.stats, heartbeat=self.heartbeat)
+
+    def _diagnose(self) -> str:
+        if self.heartbeat is None:
+            return ""
+        stopped = self.heartbeat.stopped_peers()
+        if stopped is None:
+            return "rank 0's process, which hosts the rendezvous store, is gone"
+        if stopped:
+            return f"rank(s) {stopped} stopped (killed, out of memory, or exited on an error)"
+        return "every rank is alive: one is stuck or failed inside the collective"
 
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
         dist.all_reduce(tensor, op=_OPS[op], group=self.group)

@@ -17,6 +17,11 @@ into ``N`` stripes of ``ceil(cols / N)`` columns; rank ``k`` owns stripe ``k`` o
 
 Per rank and step this sends about ``2 (N-1)/N`` of the *quantized* gradient: 1/32 of an fp32 ring
 all-reduce at 1 bit, plus two floats per column and stripe in each stage.
+
+Non-finite values never reach a residual: a rank whose input holds an inf or a NaN sends NaN for
+the affected matrix, so the decoded average is non-finite on every rank (all decode the same
+bytes, so they agree without another message); the new residuals of both stages are kept only when
+every averaged value is finite, otherwise the old ones stay (see :attr:`QuantizedAllReduce.nonfinite`).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class QuantizedAllReduce:
         self.residuals: dict[str, Tensor] = {}
         self.residuals2: dict[str, Tensor] = {}
         self._layouts: dict[str, MatrixLayout] = {}
+        self.nonfinite: list[str] = []  # names whose last average was not finite (residuals then kept)
+        self._pending: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
     def layout(self, name: str, shape: torch.Size) -> MatrixLayout:
         lay = self._layouts.get(name)
@@ -82,25 +89,36 @@ class QuantizedAllReduce:
             lay = self._layouts[name] = MatrixLayout.of(shape, self.comm.world_size)
         return lay
 
-    def __call__(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Return the average over ranks of each gradient in ``grads`` (same shapes, float32)."""
+    def __call__(self, grads: Mapping[str, Tensor], *, commit: bool = True) -> dict[str, Tensor]:
+        """Return the average over ranks of each gradient in ``grads`` (same shapes, float32).
+
+        The new residuals replace the old ones when every average is finite and ``commit`` is
+        True; with ``commit=False`` they wait for :meth:`commit` (a caller whose other tensors
+        may still turn out non-finite decides after them).
+        """
         n, me = self.comm.world_size, self.comm.rank
         names = list(grads)
         layouts = [self.layout(name, grads[name].shape) for name in names]
 
-        # stage 1: quantize every stripe of (gradient + residual), send stripe k to rank k
+        # stage 1: quantize every stripe of (gradient + residual), send stripe k to rank k. What the
+        # quantization loses becomes the new residual, written into ``v`` itself (no extra buffer)
+        # and kept only if the whole average comes out finite.
         parts: list[list[Tensor]] = [[] for _ in range(n)]
+        new_res: dict[str, Tensor] = {}
         for name, lay in zip(names, layouts, strict=True):
             v = column_major(grads[name], lay)
             res = self.residuals.get(name)
-            if res is None or res.shape != v.shape:
-                res = self.residuals[name] = torch.zeros_like(v)
-            v += res
+            if res is not None and res.shape == v.shape:
+                v += res
+            # a codec could squash an inf into finite codes: NaN everywhere makes every owner see it
+            # (no host synchronisation: the flag stays on the device)
+            v += torch.where(torch.isfinite(v).all(), 0.0, math.nan)
             for k, (c0, c1) in enumerate(lay.stripes):
                 if c1 > c0:
                     payload, deq = self.codec.encode(v[c0:c1])
-                    torch.sub(v[c0:c1], deq, out=res[c0:c1])
+                    v[c0:c1] -= deq
                     parts[k].append(payload)
+            new_res[name] = v
         send = torch.cat([p for k in range(n) for p in parts[k]]) if any(parts) else _empty(grads)
         send_splits = [sum(p.numel() for p in parts[k]) for k in range(n)]
         mine = [self._payload(lay, me) for lay in layouts]
@@ -109,6 +127,7 @@ class QuantizedAllReduce:
         # stage 2: sum the N copies of my stripes, quantize the sum (+ residual), all-gather
         chunks = recv.split([sum(mine)] * n)
         out2: list[Tensor] = []
+        new_res2: dict[str, Tensor] = {}
         for i, (name, lay) in enumerate(zip(names, layouts, strict=True)):
             c0, c1 = lay.stripes[me]
             if c1 == c0:
@@ -118,11 +137,11 @@ class QuantizedAllReduce:
             for chunk in chunks:
                 total += self.codec.decode(chunk[offset : offset + mine[i]], c1 - c0, lay.rows)
             res2 = self.residuals2.get(name)
-            if res2 is None or res2.shape != total.shape:
-                res2 = self.residuals2[name] = torch.zeros_like(total)
-            total += res2
+            if res2 is not None and res2.shape == total.shape:
+                total += res2
             payload, deq = self.codec.encode(total)
-            torch.sub(total, deq, out=res2)
+            total -= deq
+            new_res2[name] = total
             out2.append(payload)
         sizes = [sum(self._payload(lay, k) for lay in layouts) for k in range(n)]
         longest = max(sizes)
@@ -148,7 +167,24 @@ class QuantizedAllReduce:
                 offset += size
         for name, lay in zip(names, layouts, strict=True):
             result[name] = cm[name].div_(n).t().reshape(lay.shape)
+        # one host synchronisation for all matrices; every rank decoded the same bytes, so all agree
+        finite = torch.stack([torch.isfinite(m).all() for m in cm.values()]).all() if cm else None
+        self._pending = None
+        if finite is None or bool(finite):
+            self.nonfinite = []
+            self._pending = (new_res, new_res2)
+            if commit:
+                self.commit()
+        else:
+            self.nonfinite = [name for name in names if not bool(torch.isfinite(cm[name]).all())]
         return result
+
+    def commit(self) -> None:
+        """Keep the residuals of the last call (only ever finite ones; a no-op after a non-finite call)."""
+        if self._pending is not None:
+            self.residuals.update(self._pending[0])
+            self.residuals2.update(self._pending[1])
+            self._pending = None
 
     def _payload(self, lay: MatrixLayout, rank: int) -> int:
         c0, c1 = lay.stripes[rank]

@@ -49,9 +49,11 @@ class BucketedAllReduce:
         *,
         tag: str,
         exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
+        finite_flags: list[Tensor] | None = None,
     ) -> None:
         """``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
-        ``tensors``); it must return the same tensor on every rank."""
+        ``tensors``); it must return the same tensor on every rank. With ``finite_flags``, one
+        boolean device tensor per bucket is appended to it: whether the bucket's average is finite."""
         key = tuple((t.shape, t.dtype, t.device) for t in tensors)
         plan = self._plans.get(key)
         if plan is None:
@@ -60,6 +62,8 @@ class BucketedAllReduce:
             bucket = [tensors[i] for i in indices]
             flat = flatten(bucket)
             out = exchange(flat, indices) if exchange else self.comm.all_reduce(flat, "avg", tag=tag)
+            if finite_flags is not None:
+                finite_flags.append(torch.isfinite(out).all())
             unflatten_into(out, bucket)
 
 
@@ -101,21 +105,34 @@ class TensorExchange:
         """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values)."""
         return self.quantized is not None and t.dim() >= 2 and t.numel() > self.small_tensor_numel
 
-    def average(self, named: Mapping[str, Tensor], *, quantize: bool = True) -> None:
+    def average(self, named: Mapping[str, Tensor], *, quantize: bool = True) -> list[str]:
         """Replace every tensor of ``named`` with its average over ranks (identical on every rank).
 
         ``quantize=False`` sends everything in fp32 (a warm start); residuals are left as they are.
+
+        Returns the names of the tensors whose average holds an inf or a NaN (empty when all are
+        finite); every rank returns the same names, since all hold the same averages. A quantized
+        exchange with a non-finite result keeps its old residuals: they never take a non-finite
+        value. What to do about it (raise, skip the step) is the caller's policy.
         """
         if self.comm.world_size == 1 or not named:
-            return
+            return []
         large = {n: t for n, t in named.items() if quantize and self.quantizes(t)}
-        small = [t for n, t in named.items() if n not in large]
+        small = {n: t for n, t in named.items() if n not in large}
+        flags: list[Tensor] = []
         if small:
-            self.fused(small, tag=self.tag)
+            self.fused(list(small.values()), tag=self.tag, finite_flags=flags)
+        bad: list[str] = []
         if large:
             assert self.quantized is not None
-            for name, avg in self.quantized(large).items():
+            for name, avg in self.quantized(large, commit=False).items():
                 large[name].copy_(avg)
+            bad += self.quantized.nonfinite
+        if flags and not bool(torch.stack(flags).all()):
+            bad += [n for n, t in small.items() if not bool(torch.isfinite(t).all())]
+        if large and not bad:  # a non-finite tensor anywhere leaves every residual as it was
+            self.quantized.commit()
+        return bad
 
     # ------------------------------------------------------------------ rank-local state
 
@@ -209,10 +226,11 @@ class GradientCompression:
         seen = steps if self.distributed_after_unit == "steps" else samples_seen
         return seen >= self.distributed_after
 
-    def average(self, named: Mapping[str, Tensor], *, samples_seen: int, steps: int) -> None:
-        """Average ``named`` gradients over the bound ranks in place (fp32 during the warm start)."""
+    def average(self, named: Mapping[str, Tensor], *, samples_seen: int, steps: int) -> list[str]:
+        """Average ``named`` gradients over the bound ranks in place (fp32 during the warm start);
+        returns the names whose average is not finite (see :meth:`TensorExchange.average`)."""
         assert self.exchange is not None, "bind() first"
-        self.exchange.average(named, quantize=self.quantizing(samples_seen, steps))
+        return self.exchange.average(named, quantize=self.quantizing(samples_seen, steps))
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
         return self.exchange.state_dict() if self.exchange is not None else {"residuals": {}, "residuals2": {}}

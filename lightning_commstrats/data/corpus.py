@@ -7,7 +7,9 @@ Pure data code (no Lightning): the DataModule in :mod:`lightning_commstrats.data
 - :func:`load_tokenizer` trains a word-level vocabulary (the most frequent words, ``<unk>`` for the
   rest, as the 2018 multi-GPU NLM paper did) or a BPE model on the train split, and caches it under
   a key that changes with the corpus bytes and every setting; the cache file appears whole or not
-  at all.
+  at all, one process trains while the others wait on a file lock, and the ids are checked dense
+  in ``[0, vocab_size)`` whether trained or loaded (corpora that already contain ``<unk>``, as the
+  standard word-level LM corpora do, get the special token's id for it).
 - :class:`StreamWindows` and :class:`NGramWindows` turn a token stream into training examples.
 """
 
@@ -19,7 +21,8 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import tokenizers
@@ -70,6 +73,57 @@ def file_digest(paths: Iterable[str | os.PathLike]) -> str:
     return h.hexdigest()
 
 
+def default_cache_dir() -> Path:
+    """Where tokenizers are cached unless told otherwise: ``$XDG_CACHE_HOME/lightning_commstrats/tokenizers``
+    (``~/.cache/lightning_commstrats/tokenizers``), outside the installed package and shared by every corpus
+    (the file names carry a key of the corpus bytes and the settings)."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "lightning_commstrats" / "tokenizers"
+
+
+def _without_special_tokens(lines: Iterable[str]) -> Iterator[str]:
+    """The training text with the special tokens removed: a corpus that writes ``<unk>`` itself must
+    not make the trainer count it as a word beside the special ``<unk>`` (that gave the vocabulary a
+    hole at one id and an id equal to its size)."""
+    special = set(SPECIAL_TOKENS)
+    for line in lines:
+        words = line.split()
+        yield " ".join(w for w in words if w not in special) if special.intersection(words) else line
+
+
+def check_dense_ids(tok: Tokenizer, source: str) -> None:
+    """Raise unless the vocabulary's ids are exactly ``0 .. vocab_size - 1`` and every special token has one."""
+    vocab = tok.get_vocab()
+    ids = sorted(vocab.values())
+    size = tok.get_vocab_size()
+    if ids != list(range(size)):
+        missing = sorted(set(range(size)) - set(ids))[:5]
+        beyond = [i for i in ids if i >= size][:5]
+        raise ValueError(
+            f"{source}: vocabulary ids are not dense in [0, {size}) (missing {missing}, at or beyond the size"
+            f" {beyond}); an embedding of {size} rows would fail on them. Delete the file to retrain it."
+        )
+    absent = [t for t in SPECIAL_TOKENS if t not in vocab]
+    if absent:
+        raise ValueError(f"{source}: the special tokens {absent} have no id")
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (POSIX ``flock``; no lock where there is none)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: ranks may each train; the atomic rename still keeps the file whole
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def train_tokenizer(lines: Iterable[str], kind: str, max_vocab_size: int, min_frequency: int = 1) -> Tokenizer:
     """Train a tokenizer on whitespace-separated text.
 
@@ -93,7 +147,8 @@ def train_tokenizer(lines: Iterable[str], kind: str, max_vocab_size: int, min_fr
     else:
         raise ValueError(f"tokenizer={kind!r} is not supported; choose one of {TOKENIZER_KINDS}")
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.train_from_iterator(lines, trainer)
+    tok.train_from_iterator(_without_special_tokens(lines), trainer)
+    check_dense_ids(tok, f"the {kind} tokenizer just trained")
     return tok
 
 
@@ -104,34 +159,45 @@ def load_tokenizer(
     kind: str,
     max_vocab_size: int,
     min_frequency: int,
-    cache_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
 ) -> Tokenizer:
     """The tokenizer for the train text ``lines``, from the cache when its key matches, else trained and cached.
 
     The key hashes ``data_key`` (a digest of the train text, e.g. :func:`file_digest`), the settings
-    and the tokenizers version. The cache file is
-    written to a temporary name and renamed into place, so a failure (or a rank racing another)
-    never leaves a partial file behind.
+    and the tokenizers version. Processes that start together (every rank under ``mpiexec`` or
+    ``torchrun``, each its own node) take an exclusive lock in ``cache_dir`` (default
+    :func:`default_cache_dir`): the first trains, the others wait and load its file. The file is
+    written to a temporary name and renamed into place, so a failure never leaves a partial file
+    behind. Loaded or trained, the ids are checked dense (:func:`check_dense_ids`).
     """
     settings = {"kind": kind, "max_vocab_size": max_vocab_size, "min_frequency": min_frequency}
     key_src = json.dumps({**settings, "data": data_key, "tokenizers": tokenizers.__version__})
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache_dir / f"tokenizer-{kind}-{key}.json"
-    if path.is_file():
-        log.info("tokenizer from cache %s", path)
-        return Tokenizer.from_file(str(path))
-    tok = train_tokenizer(lines, kind, max_vocab_size, min_frequency)
+    if path.is_file():  # the common case needs no lock: the file only ever appears whole
+        return _load_checked(path)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tokenizer-", suffix=".tmp")
-    os.close(fd)
-    try:
-        tok.save(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _file_lock(cache_dir / f".tokenizer-{kind}-{key}.lock"):
+        if path.is_file():  # another process trained it while this one waited
+            return _load_checked(path)
+        tok = train_tokenizer(lines, kind, max_vocab_size, min_frequency)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tokenizer-", suffix=".tmp")
+        os.close(fd)
+        try:
+            tok.save(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     log.info("tokenizer trained (%d entries) and cached at %s", tok.get_vocab_size(), path)
+    return tok
+
+
+def _load_checked(path: Path) -> Tokenizer:
+    log.info("tokenizer from cache %s", path)
+    tok = Tokenizer.from_file(str(path))
+    check_dense_ids(tok, str(path))
     return tok
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +20,7 @@ from lightning_commstrats.data.corpus import (
     NGramWindows,
     StreamWindows,
     check_text_file,
+    default_cache_dir,
     encode_stream,
     file_digest,
     load_tokenizer,
@@ -64,8 +64,9 @@ class LMDataModule(L.LightningDataModule):
         order: n-gram order in ngram mode (5: four context words).
         batch_size: examples per batch and rank.
         num_workers: DataLoader workers.
-        cache_dir: where the tokenizer is cached; default ``<data_dir>/.cache`` or, when that is not
-            writable, ``~/.cache/lightning_commstrats``.
+        cache_dir: where the tokenizer is cached; default ``~/.cache/lightning_commstrats/tokenizers``
+            (``$XDG_CACHE_HOME`` honoured; never inside the installed package). File names carry a
+            key of the corpus bytes and the settings, so one folder serves every corpus.
     """
 
     def __init__(
@@ -98,6 +99,8 @@ class LMDataModule(L.LightningDataModule):
             raise ValueError(f"order (n-gram order) must be >= 2, got {order}")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
         if data_dir is not None and dataset_name is not None:
             raise ValueError("give data_dir or dataset_name, not both")
         self.save_hyperparameters()
@@ -115,9 +118,7 @@ class LMDataModule(L.LightningDataModule):
         if dataset_name is None:
             root = Path(data_dir) if data_dir is not None else BROWN_DIR
             self.files = {split: _find(root, split) for split in SPLITS}
-            self.cache_dir = Path(cache_dir) if cache_dir else _writable_cache(root / ".cache")
-        else:
-            self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "lightning_commstrats" / dataset_name)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self._text: dict[str, list[str]] | None = None
         self._tokenizer = None
         self._streams: dict[str, Tensor] = {}
@@ -224,13 +225,3 @@ class LMDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset("test"), batch_size=self.batch_size, num_workers=self.num_workers)
-
-
-def _writable_cache(preferred: Path) -> Path:
-    try:
-        preferred.mkdir(parents=True, exist_ok=True)
-        if os.access(preferred, os.W_OK):
-            return preferred
-    except OSError:
-        pass
-    return Path.home() / ".cache" / "lightning_commstrats"

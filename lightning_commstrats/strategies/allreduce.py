@@ -93,11 +93,28 @@ class AllReduceStrategy(CommStrategy):
         """Average the gradients of ``params`` through ``compression``: quantized matrices (after its
         warm start) and fp32 small tensors."""
         compression.bind(self.comm, self.bucket_cap_mb)
-        compression.average(
+        bad = compression.average(
             {self.param_name(p): dense_grad(p) for p in params},
             samples_seen=self._samples_at_step * self.world_size,
             steps=self.optimizer_steps,
         )
+        self.report_nonfinite(bad)
+
+    @override
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        # Gradient schemes keep only error-feedback residuals per rank, cut in stripes that depend
+        # on the number of ranks: they restart at zero (the counters and the model are shared).
+        return {key: {} for key in self.rank_state_dict()}
+
+    @override
+    def schedule_counts_samples(self) -> bool:
+        # a compressed exchange whose full-precision warm start ends after a number of samples
+        compression: GradientCompression | None = getattr(self, "compression", None)
+        if compression is None or compression.bits == 32 or compression.distributed_after_unit != "samples":
+            return False
+        return not compression.quantizing(self.samples_per_worker * self.world_size, self.optimizer_steps)
 
     def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:
         """Raise ``ValueError`` when a checkpoint's residuals do not fit this model and world."""

@@ -44,14 +44,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, unflatten_into
 from lightning_commstrats.comm import BACKENDS, CommStats, Communicator, create_communicator, resolve_backend
 from lightning_commstrats.compression.exchange import BucketedAllReduce
 
 log = logging.getLogger(__name__)
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-RESUME_MISMATCH = ("error", "reset")
+RESUME_MISMATCH = ("error", "reset", "reshard")
+NONFINITE_POLICIES = ("raise", "skip")
 STATE_KEY = "lightning_commstrats"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -64,14 +65,27 @@ class CommStrategy(ParallelStrategy):
     Args:
         backend: ``"auto"`` (NCCL on CUDA, gloo on CPU), ``"gloo"``, ``"nccl"`` or ``"mpi"``
             (mpi4py; start the ranks with ``mpiexec -n N``).
-        timeout: timeout of every torch.distributed collective.
+        timeout: timeout of every torch.distributed collective: a ``timedelta`` or seconds.
         start_method: how Lightning starts the ranks when it starts them itself: ``"popen"``
             (re-run the script, like ``ddp``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         bucket_cap_mb: largest fused buffer per collective, in MiB (default 25, as DDP). Bigger
             buckets mean fewer collectives (less latency) but a bigger temporary copy.
         resume_mismatch: what to do when a checkpoint's strategy state does not fit this run
-            (another world size, other parameter shapes): ``"error"`` (default) or ``"reset"``
-            (start the state afresh, with a warning).
+            (another world size, other parameter shapes): ``"error"`` (default), ``"reset"``
+            (start the state afresh, with a warning) or ``"reshard"`` (another number of ranks:
+            keep the state every rank shares and rebuild the rank-local part, where the scheme
+            allows it; see :meth:`resharded_rank_state`).
+        nonfinite: what to do when an exchanged average (gradients, or a periodic scheme's
+            pseudo-gradient) holds an inf or a NaN: ``"raise"`` (default: ``FloatingPointError``
+            naming the parameters, on every rank at once) or ``"skip"`` (every rank skips the step,
+            or discards the block, and changes nothing: no update, no residual, no counter). Either
+            way error-feedback residuals never take a non-finite value.
+        verify_sync_every: every this many optimizer steps, check that the replicas agree (the
+            weights every rank must hold bit for bit: all parameters for the gradient schemes, the
+            global model for the periodic ones, the dense parameters for ``expert_parallel``): two
+            float64 moments per tensor, one small all-gather. 0 (default) never checks.
+        verify_sync_action: ``"raise"`` (default: ``RuntimeError`` naming the tensors and ranks, on
+            every rank at once) or ``"warn"`` when the replicas disagree.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -85,12 +99,25 @@ class CommStrategy(ParallelStrategy):
         start_method: str = "popen",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         resume_mismatch: str = "error",
+        nonfinite: str = "raise",
+        verify_sync_every: int = 0,
+        verify_sync_action: str = "raise",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected keyword argument(s) {sorted(unknown)};"
+                f" see help(lightning_commstrats.{type(self).__name__}) for what it takes"
+            )
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {timeout!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
         if start_method not in START_METHODS:
@@ -99,15 +126,29 @@ class CommStrategy(ParallelStrategy):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if resume_mismatch not in RESUME_MISMATCH:
             raise ValueError(f"resume_mismatch={resume_mismatch!r} is not supported; choose one of {RESUME_MISMATCH}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r} is not supported; choose one of {NONFINITE_POLICIES}")
+        if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
+            raise ValueError(f"verify_sync_every must be an int >= 0 (0: never), got {verify_sync_every!r}")
+        if verify_sync_action not in ("raise", "warn"):
+            raise ValueError(
+                f"verify_sync_action={verify_sync_action!r} is not supported; choose one of ('raise', 'warn')"
+            )
+        self.verify_sync_every = verify_sync_every
+        self.verify_sync_action = verify_sync_action
         self._backend = backend
         self.resume_mismatch = resume_mismatch
+        self.nonfinite = nonfinite
+        self._nonfinite_names: list[str] = []  # set by an exchange of this step whose average was not finite
         self.bucket_cap_mb = bucket_cap_mb
         self._fused: BucketedAllReduce | None = None
         self._param_names: dict[int, str] = {}
         self.samples_per_worker = 0
+        self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
         self.optimizer_steps = 0
         self.last_step_skipped = False  # the precision plugin skipped the last step (overflow)
         self._samples_at_step = 0  # samples_per_worker after the last step that ran
+        self._samples_at_step_all_ranks = 0
         self._pending_state: dict[str, Any] | None = None
         self._timeout = timeout
         self._start_method = start_method
@@ -292,8 +333,63 @@ class CommStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        # Every rank gets equally many samples (the distributed sampler pads), so this count agrees.
-        self.samples_per_worker += extract_batch_size(batch)
+        size = extract_batch_size(batch)
+        if self.world_size > 1 and self.schedule_counts_samples():
+            # Ranks can see different numbers of samples (uneven last batches, an IterableDataset,
+            # a custom sampler); a schedule decided on local counts would make them issue different
+            # collectives. As CNTK does, they agree on the count: the mean over ranks (8 bytes each).
+            count = torch.tensor([size], dtype=torch.int64, device=self.root_device)
+            total = self.comm.all_reduce(count, tag="control")
+            self._samples_total_all_ranks += int(total.item())
+            self.samples_per_worker = self._samples_total_all_ranks // self.world_size
+        else:
+            self.samples_per_worker += size
+            self._samples_total_all_ranks = self.samples_per_worker * self.world_size
+
+    def schedule_counts_samples(self) -> bool:
+        """Whether a decision still ahead (a warm start's end, a block boundary) is counted in
+        samples; then every rank agrees on the count before each step (one 8-byte all-reduce)."""
+        return False
+
+    # ------------------------------------------------------------------ buffers
+
+    def buffers_to_sync(self) -> list[Tensor]:
+        """The module buffers that replicas hold (running statistics...); all of them by default."""
+        module = self.lightning_module
+        return list(module.buffers()) if module is not None else []
+
+    def sync_buffers(self, tag: str = "buffers") -> None:
+        """Make every rank's buffers equal: floating-point ones averaged (BatchNorm's running
+        statistics of all ranks' data), the others (counters) taken from rank 0; fused, one
+        collective per dtype and bucket. Called before validation during fit, at every periodic
+        sync, before a checkpoint is written and when fit ends: buffers never see a gradient, so
+        no exchange of the schemes keeps them in agreement otherwise."""
+        if self._comm is None or self.world_size == 1:
+            return
+        buffers = self.buffers_to_sync()
+        floats = [b for b in buffers if b.is_floating_point()]
+        if floats:
+            self.all_reduce_fused(floats, tag=tag)
+        others: dict[torch.dtype, list[Tensor]] = {}
+        for b in buffers:
+            if not b.is_floating_point():
+                others.setdefault(b.dtype, []).append(b)
+        for group in others.values():
+            flat = flatten(group)
+            self.comm.broadcast(flat, 0, tag=tag)
+            unflatten_into(flat, group)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.sync_buffers()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.sync_buffers()
 
     # ------------------------------------------------------------------ the strategy's own state
 
@@ -308,6 +404,7 @@ class CommStrategy(ParallelStrategy):
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Restore both; raise ``ValueError`` before changing anything when they do not fit this run."""
         self.samples_per_worker = self._samples_at_step = int(state["samples_per_worker"])
+        self._samples_total_all_ranks = self.samples_per_worker * self.world_size
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def reset_state(self) -> None:
@@ -315,22 +412,99 @@ class CommStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # Collective: every rank contributes its rank-local state to the one file rank 0 writes.
+        """Collective. Rank 0 writes the checkpoint (the model, the state shared by every rank); each
+        rank writes its own rank-local state (residuals, local weights and optimizer state...) to a
+        shard beside it, ``<file>.rank<r>-of-<N>``, so no rank ever holds another rank's state and
+        memory per rank stays that of one rank. The shards are written first and every rank waits
+        for all of them before rank 0 writes the file that names them: a checkpoint file that
+        exists is complete. Without a shared filesystem each node keeps its ranks' shards."""
         if self._comm is not None:
-            ranks = self._comm.all_gather_object(_to_cpu(self.rank_state_dict()), tag="checkpoint")
+            self.sync_buffers()  # the file holds the ranks' agreed buffers, not rank 0's alone
+            saved = checkpoint.get("state_dict", {})
+            for name, b in self.lightning_module.named_buffers():
+                if name in saved:
+                    saved[name] = b.detach().clone()
             checkpoint[STATE_KEY] = {
                 "strategy": type(self).__name__,
                 "world_size": self.world_size,
                 "state": _to_cpu(self.state_dict()),
-                "ranks": ranks,
             }
+            if self.world_size == 1:  # one process: its state goes in the file itself
+                checkpoint[STATE_KEY]["rank"] = _to_cpu(self.rank_state_dict())
+            else:
+                shards = [shard_name(filepath, r, self.world_size) for r in range(self.world_size)]
+                mine = os.path.join(os.path.dirname(str(filepath)), shards[self.global_rank])
+                self._write_shard(_to_cpu(self.rank_state_dict()), mine)
+                self._comm.barrier()
+                checkpoint[STATE_KEY]["shards"] = shards
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _write_shard(self, state: dict[str, Any], path: str) -> None:
+        """Write a shard whole or not at all. A local file is streamed by ``torch.save`` to a
+        temporary name and renamed (no in-memory copy of the state); other filesystems go through
+        the strategy's ``CheckpointIO``."""
+        if "://" in path:
+            self.checkpoint_io.save_checkpoint(state, path)
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)  # rank 0: the file
+        shard = os.path.join(os.path.dirname(str(filepath)), shard_name(filepath, self.global_rank, self.world_size))
+        if os.path.exists(shard):  # every rank: its own shard
+            self.checkpoint_io.remove_checkpoint(shard)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._pending_state = checkpoint.get(STATE_KEY)
+        saved = checkpoint.get(STATE_KEY)
+        if saved is not None:
+            saved = dict(saved)
+            if "ranks" in saved:  # the earlier format: every rank's state in the one file
+                ranks = saved.pop("ranks")
+                saved["rank"] = ranks[self.global_rank] if saved["world_size"] == self.world_size else None
+            elif "rank" in saved:  # saved by one process
+                pass
+            elif saved["world_size"] == self.world_size:  # this rank's shard only
+                shard = os.path.join(os.path.dirname(str(checkpoint_path)), saved["shards"][self.global_rank])
+                if not os.path.exists(shard):
+                    raise FileNotFoundError(
+                        f"{checkpoint_path} needs this rank's shard {shard} (rank {self.global_rank} of"
+                        f" {self.world_size}): every rank's shard must be where it was written"
+                    )
+                saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only)
+            elif self.resume_mismatch == "reshard" and saved.get("shards"):
+                # another number of ranks: rank r starts from old rank r mod N_old's state
+                old = self.global_rank % saved["world_size"]
+                shard = os.path.join(os.path.dirname(str(checkpoint_path)), saved["shards"][old])
+                exists = os.path.exists(shard)
+                saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only) if exists else None
+            else:
+                saved["rank"] = None
+        self._pending_state = saved
         return checkpoint
+
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        """The rank-local state to restore on another number of ranks, from the shared ``state`` and
+        the state of old rank ``global_rank mod saved_world_size`` (``None`` if its shard is not
+        here). Raises ``ValueError`` where the scheme's state cannot be re-split."""
+        raise ValueError(f"{type(self).__name__} cannot re-split its state over another number of ranks")
+
+    def pending_rank_state(self) -> dict[str, Any] | None:
+        """This rank's state from the checkpoint being restored, if any (before it is applied)."""
+        if self._pending_state is None or self._pending_state.get("strategy") != type(self).__name__:
+            return None
+        return self._pending_state.get("rank")
 
     def _restore_pending_state(self) -> None:
         saved, self._pending_state = self._pending_state, None
@@ -342,9 +516,17 @@ class CommStrategy(ParallelStrategy):
             return
         if saved["world_size"] != self.world_size:
             problem = f"it was saved by {saved['world_size']} ranks and this run has {self.world_size}"
+            if self.resume_mismatch == "reshard":
+                try:
+                    rank_state = self.resharded_rank_state(saved["state"], saved.get("rank"), saved["world_size"])
+                    self.load_state_dict(saved["state"], _to_device(rank_state, self.root_device))
+                    log.warning("%s: %s; its state was re-split over this run's ranks", name, problem)
+                    return
+                except ValueError as err:
+                    problem = f"{problem}, and {err}"
         else:
             try:
-                self.load_state_dict(saved["state"], _to_device(saved["ranks"][self.global_rank], self.root_device))
+                self.load_state_dict(saved["state"], _to_device(saved["rank"], self.root_device))
                 return
             except ValueError as err:
                 problem = str(err)
@@ -354,7 +536,8 @@ class CommStrategy(ParallelStrategy):
             return
         raise ValueError(
             f"{name} cannot restore its state from the checkpoint: {problem}."
-            f" Pass {name}(resume_mismatch='reset') to start that state afresh."
+            f" Pass {name}(resume_mismatch='reset') to start that state afresh"
+            + ("." if self.resume_mismatch == "reshard" else " (or 'reshard' to re-split it over these ranks).")
         )
 
     # ------------------------------------------------------------------ the optimizer step
@@ -377,7 +560,13 @@ class CommStrategy(ParallelStrategy):
             check = getattr(self.precision_plugin, "unscale_and_check", None)
             runs = check(optimizer, self) if check is not None else True
             if runs:
+                self._nonfinite_names = []
                 self.after_backward(optimizer)
+                if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
+                    runs = False
+                    for group in optimizer.param_groups:  # the optimizer steps over nothing
+                        for p in group["params"]:
+                            p.grad = None
             return result
 
         output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
@@ -386,13 +575,35 @@ class CommStrategy(ParallelStrategy):
             self.after_optimizer_step(optimizer)
             self.optimizer_steps += 1
             self._samples_at_step = self.samples_per_worker
+            self._samples_at_step_all_ranks = self._samples_total_all_ranks
         else:  # as if the step's samples had not come: schedules in samples stay where they were
             self.samples_per_worker = self._samples_at_step
+            self._samples_total_all_ranks = self._samples_at_step_all_ranks
+        if self.verify_sync_every and runs and self.optimizer_steps % self.verify_sync_every == 0:
+            self.verify_replicas()
         self.comm_stats.mark_step()
         return output
 
     def after_backward(self, optimizer: Optimizer) -> None:
-        """Called once per optimizer step when this rank's gradients are complete (before clipping)."""
+        """Called once per optimizer step when this rank's gradients are complete (before clipping).
+        An exchange whose average is not finite reports it with :meth:`report_nonfinite`."""
+
+    def report_nonfinite(self, names: Sequence[str]) -> None:
+        """Note parameters whose exchanged average of this step is not finite (every rank must
+        report the same names: they come from averages every rank holds)."""
+        self._nonfinite_names.extend(names)
+
+    def handle_nonfinite(self, names: Sequence[str], what: str) -> bool:
+        """Apply the ``nonfinite`` policy to ``names``: raise, or return True (skip) with a warning."""
+        shown = ", ".join(list(names)[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"{type(self).__name__}: the averaged {what} of {shown} hold inf or NaN at optimizer step"
+                f" {self.optimizer_steps} (on every rank). Lower the learning rate, clip gradients, use loss"
+                f" scaling, or pass nonfinite='skip' to skip such steps."
+            )
+        log.warning("non-finite averaged %s (%s): step %d skipped on every rank", what, shown, self.optimizer_steps)
+        return True
 
     def all_reduce_fused(
         self,
@@ -409,6 +620,36 @@ class CommStrategy(ParallelStrategy):
         if self._fused is None:
             self._fused = BucketedAllReduce(self.comm, int(self.bucket_cap_mb * 2**20))
         self._fused(tensors, tag=tag, exchange=exchange)
+
+    def replicated_tensors(self) -> dict[str, Tensor]:
+        """The tensors every rank must hold bit for bit (all parameters for a gradient scheme)."""
+        assert self.lightning_module is not None
+        return {n: p.detach() for n, p in self.lightning_module.named_parameters()}
+
+    def verify_replicas(self) -> list[str]:
+        """Check that the replicas agree: two float64 moments of every replicated tensor, gathered
+        from every rank (16 bytes a tensor) and compared exactly. Every rank sees the same gathered
+        values, so all of them raise (or warn) together. Returns the tensors that disagree."""
+        if self._comm is None or self.world_size == 1:
+            return []
+        named = self.replicated_tensors()
+        if not named:
+            return []
+        moments = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in named.values()])
+        every = self.comm.all_gather(moments, tag="control")  # [ranks, tensors, 2]
+        differs = (every != every[0]).any(-1)  # [ranks, tensors]
+        bad = [name for name, d in zip(named, differs.any(0).tolist(), strict=True) if d]
+        if bad:
+            ranks = [r for r in range(self.world_size) if bool(differs[r].any())]
+            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            message = (
+                f"{type(self).__name__}: replicas disagree at optimizer step {self.optimizer_steps}: {shown}"
+                f" differ between rank 0 and ranks {ranks}"
+            )
+            if self.verify_sync_action == "raise":
+                raise RuntimeError(message)
+            log.warning(message)
+        return bad
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Called after every optimizer step, once the local update is applied."""
@@ -461,6 +702,11 @@ class CommStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
+
+
+def shard_name(filepath: Any, rank: int, world_size: int) -> str:
+    """The file name of rank ``rank``'s shard of the checkpoint ``filepath`` (beside it)."""
+    return f"{os.path.basename(str(filepath))}.rank{rank}-of-{world_size}"
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -181,6 +182,29 @@ class ExpertParallelStrategy(AllReduceStrategy):
             for b in self.lightning_module.buffers():
                 self.comm.broadcast(b.data, 0, tag="setup")
 
+    @override
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        raise ValueError("expert_parallel does not re-shard experts over another number of ranks")
+
+    @override
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        experts = {id(p) for p in self.expert_params()}  # each rank holds other experts
+        return {n: p.detach() for n, p in self.lightning_module.named_parameters() if id(p) not in experts}
+
+    @override
+    def buffers_to_sync(self) -> list[torch.Tensor]:
+        # buffers of expert modules differ by design (each rank holds other experts)
+        experts = {id(p) for p in self.expert_params()}
+        shared = []
+        for module in self.lightning_module.modules():
+            own = list(module.parameters(recurse=False))
+            if own and all(id(p) in experts for p in own):
+                continue
+            shared.extend(module.buffers(recurse=False))
+        return shared
+
     # ------------------------------------------------------------------ gradients
 
     @override
@@ -235,6 +259,30 @@ class ExpertParallelStrategy(AllReduceStrategy):
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "layout": [self.dp_size, self.ep_size, self.inner],
         }
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # The file's model holds rank 0's experts (every rank names its own experts alike); each rank
+        # takes its own from its shard here, wherever a checkpoint is loaded (fit, validate, test,
+        # predict), so that the sanity check and evaluation run on the right experts.
+        super().load_model_state_dict(checkpoint, strict=strict)
+        rank_state = self.pending_rank_state()
+        if rank_state is None:
+            return
+        if list(rank_state["layout"]) != [self.dp_size, self.ep_size, self.inner]:
+            log.warning(
+                "expert_parallel: the checkpoint's experts were sharded as dp x ep = %s x %s, this run is %s x %s;"
+                " the model keeps the file's experts (rank 0's)",
+                *rank_state["layout"][:2],
+                self.dp_size,
+                self.ep_size,
+            )
+            return
+        params = dict(self.lightning_module.named_parameters())
+        with torch.no_grad():
+            for name, value in rank_state["experts"].items():
+                if name in params and params[name].shape == value.shape:
+                    params[name].copy_(value)
 
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:

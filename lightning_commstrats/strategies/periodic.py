@@ -62,6 +62,7 @@ class _Exchange:
     apply_at: int  # the optimizer step after which the result is applied
     grad: Tensor
     future: Future | None = None
+    nonfinite: list[str] | None = None  # names whose average is not finite (set when it lands)
 
 
 class PeriodicSyncStrategy(CommStrategy):
@@ -137,8 +138,12 @@ class PeriodicSyncStrategy(CommStrategy):
                 f"fragment_sync_delay={fragment_sync_delay} must be < sync_period / num_fragments ="
                 f" {sync_period}/{num_fragments}: a fragment's exchange must land before the next one starts"
             )
-        if not 0.0 <= fragment_update_alpha <= 1.0:
-            raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+        if not _is_number(fragment_update_alpha) or not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha must be a number in [0, 1], got {fragment_update_alpha!r}")
+        if not _is_number(outer_lr) or outer_lr <= 0:
+            raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}")
+        if not _is_number(outer_momentum) or not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
         self._outer_factory = resolve_outer_optimizer(outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs)
         super().__init__(**kwargs)
         self.sync_period = sync_period
@@ -225,6 +230,17 @@ class PeriodicSyncStrategy(CommStrategy):
 
     # ------------------------------------------------------------------ the schedule
 
+    @override
+    def replicated_tensors(self) -> dict[str, Tensor]:
+        # each rank's local weights differ by design; the global model must not
+        if self.outer is None:
+            return {}
+        return {f"global model (fragment {f})": self.outer.global_weights(f) for f in range(self.num_fragments)}
+
+    @override
+    def schedule_counts_samples(self) -> bool:
+        return self.sync_period_unit == "samples"
+
     def _progress(self) -> int:
         return self.samples_per_worker if self.sync_period_unit == "samples" else self.optimizer_steps
 
@@ -280,20 +296,25 @@ class PeriodicSyncStrategy(CommStrategy):
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
             pending.future = self._pool.submit(self.average_pseudo_gradient, named)
         else:
-            self.average_pseudo_gradient(named)
+            pending.nonfinite = self.average_pseudo_gradient(named)
         self._inflight = pending
 
-    def average_pseudo_gradient(self, named: dict[str, Tensor]) -> None:
-        """Average the named pseudo-gradient tensors over ranks in place (identical on every rank)."""
-        self.exchange.average(named)
+    def average_pseudo_gradient(self, named: dict[str, Tensor]) -> list[str]:
+        """Average the named pseudo-gradient tensors over ranks in place (identical on every rank);
+        returns the names whose average is not finite."""
+        return self.exchange.average(named)
 
     def _apply(self) -> None:
         """The outer step of the fragment in flight; its local weights restart from (or mix with) the result."""
         pending, self._inflight = self._inflight, None
         assert pending is not None and self.outer is not None
         if pending.future is not None:
-            pending.future.result()  # re-raises a failed exchange here
+            pending.nonfinite = pending.future.result()  # re-raises a failed exchange here
         f = pending.fragment
+        if pending.nonfinite and self.handle_nonfinite(pending.nonfinite, f"pseudo-gradients (fragment {f})"):
+            # the block is discarded on every rank: no outer step, the fragment restarts from the global model
+            self.load_flat(self.outer.start_point(f), f)
+            return
         self.outer.step(f, pending.grad)
         start = self.outer.start_point(f)
         alpha = self.fragment_update_alpha
@@ -304,6 +325,8 @@ class PeriodicSyncStrategy(CommStrategy):
                 reset_momentum(optimizer, ids)
         self.sync_history.append((f, pending.started_at, self.optimizer_steps))
         self.after_sync(f)
+        if f == self.num_fragments - 1:  # once per period: running statistics averaged as the weights are
+            self.sync_buffers(tag="weights")
 
     def after_sync(self, fragment: int) -> None:
         """Called after every outer step (of ``fragment``), once the local weights are updated."""
@@ -378,15 +401,14 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def state_dict(self) -> dict[str, Any]:
         inflight = None
+        self._wait_inflight()
         if self._inflight is not None:
-            if self._inflight.future is not None:
-                self._inflight.future.result()  # every rank saves at the same step: the exchange completes
-                self._inflight.future = None
             inflight = {
                 "fragment": self._inflight.fragment,
                 "started_at": self._inflight.started_at,
                 "apply_at": self._inflight.apply_at,
                 "grad": self._inflight.grad,
+                "nonfinite": self._inflight.nonfinite,
             }
         return {
             **super().state_dict(),
@@ -397,7 +419,31 @@ class PeriodicSyncStrategy(CommStrategy):
         }
 
     @override
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        # The global model, the outer optimizer, the schedule and an exchange in flight (already
+        # averaged) are the same on every rank and carry over as they are. Each rank's local
+        # weights restart from their block's start point (the block's local steps are dropped;
+        # before the first block every rank holds the same weights), its inner optimizer state is
+        # old rank (r mod N_old)'s, and the quantization residuals, cut in stripes that depend on
+        # the number of ranks, restart at zero.
+        if rank_state is None:
+            raise ValueError(f"the shard of old rank {self.global_rank % saved_world_size} is not here")
+        started = (state.get("outer") or {}).get("weights") is not None
+        weights = None if started else rank_state["weights"]
+        return {"weights": weights, "optimizers": rank_state["optimizers"], "exchange": None}
+
+    def _wait_inflight(self) -> None:
+        """Let the exchange in flight complete (every rank saves at the same step). Before either
+        state is read: the background thread is still writing the quantization residuals."""
+        if self._inflight is not None and self._inflight.future is not None:
+            self._inflight.nonfinite = self._inflight.future.result()
+            self._inflight.future = None
+
+    @override
     def rank_state_dict(self) -> dict[str, Any]:
+        self._wait_inflight()
         return {
             "weights": self.flat_weights(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
@@ -407,7 +453,7 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         n = sum(p.numel() for p in self.params)
-        if rank_state["weights"].numel() != n:
+        if rank_state["weights"] is not None and rank_state["weights"].numel() != n:
             raise ValueError(f"it holds {rank_state['weights'].numel()} weights and this model has {n}")
         sizes = [sum(p.numel() for p in self.fragment_params(k)) for k in range(self.num_fragments)]
         outer = OuterOptimizer(self.outer_factory())
@@ -429,7 +475,12 @@ class PeriodicSyncStrategy(CommStrategy):
         if saved is not None:
             grad = saved["grad"].to(self.root_device, torch.float32)
             self._inflight = _Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
-        self.load_flat(rank_state["weights"].to(self.root_device))
+            self._inflight.nonfinite = saved.get("nonfinite")
+        if rank_state["weights"] is not None:
+            self.load_flat(rank_state["weights"].to(self.root_device))
+        elif self.outer is not None:  # resharded: every fragment restarts from its block's start point
+            for f in range(self.num_fragments):
+                self.load_flat(self.outer.start_point(f), f)
         for optimizer, opt_state in zip(self.optimizers, rank_state["optimizers"], strict=True):
             optimizer.load_state_dict(opt_state)
         if rank_state["exchange"] is not None:
@@ -442,6 +493,10 @@ class PeriodicSyncStrategy(CommStrategy):
         self._inflight = None
         if self._exchange is not None:
             self._exchange.reset()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def fragment_bounds(sizes: list[int], num_fragments: int) -> list[tuple[int, int]]:

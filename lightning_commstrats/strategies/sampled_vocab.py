@@ -102,8 +102,11 @@ class SampledVocabStrategy(AllReduceStrategy):
         **kwargs: Any,
     ) -> None:
         for name, value in (("alpha", alpha), ("beta", beta)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a count >= 0 or a fraction in [0, 1], got {value!r}")
+            bad_type = isinstance(value, bool) or not isinstance(value, (int, float))
+            if bad_type or value < 0 or (isinstance(value, float) and value > 1):
+                raise ValueError(
+                    f"{name} must be a count >= 0 (an int) or a fraction in [0, 1] (a float), got {value!r}"
+                )
         gradient_compression = GradientCompression(
             num_quantization_bits, distributed_after, distributed_after_unit, small_tensor_numel, half_dtype
         )

@@ -1,5 +1,9 @@
 import gzip
+import json
 import math
+import multiprocessing
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +45,7 @@ def test_tokenizer_cache_key_follows_corpus_and_settings(tmp_path):
     lines = ["a b c a", "b a"]
     cache = tmp_path / "cache"
     t1 = load_tokenizer("k1", lines, kind="word", max_vocab_size=10, min_frequency=1, cache_dir=cache)
-    files = sorted(cache.iterdir())
+    files = sorted(cache.glob("*.json"))
     assert len(files) == 1
     mtime = files[0].stat().st_mtime_ns
     t2 = load_tokenizer("k1", [], kind="word", max_vocab_size=10, min_frequency=1, cache_dir=cache)  # from cache
@@ -49,7 +53,7 @@ def test_tokenizer_cache_key_follows_corpus_and_settings(tmp_path):
     load_tokenizer("k2", lines, kind="word", max_vocab_size=10, min_frequency=1, cache_dir=cache)
     load_tokenizer("k1", lines, kind="word", max_vocab_size=4, min_frequency=1, cache_dir=cache)
     load_tokenizer("k1", lines, kind="bpe", max_vocab_size=10, min_frequency=1, cache_dir=cache)
-    assert len(list(cache.iterdir())) == 4
+    assert len(list(cache.glob("*.json"))) == 4
 
 
 def test_failed_cache_write_leaves_nothing(tmp_path, monkeypatch):
@@ -61,7 +65,80 @@ def test_failed_cache_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(Tokenizer, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
         load_tokenizer("k", ["a b"], kind="word", max_vocab_size=5, min_frequency=1, cache_dir=tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.parametrize("kind", ["word", "bpe"])
+def test_a_corpus_that_writes_unk_itself_gets_dense_ids(tmp_path, kind):
+    # the standard word-level LM corpora (Penn Treebank, WikiText) already replaced rare words by <unk>
+    train = "the cat <unk> sat\na <unk> dog <unk>\nthe the cat\n" * 3
+    dm = LMDataModule(
+        data_dir=str(write_corpus(tmp_path / "c", train=train, valid="the <unk> zebra\n")),
+        tokenizer=kind,
+        max_vocab_size=60,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    ids = sorted(dm.tokenizer.get_vocab().values())
+    assert ids == list(range(dm.vocab_size))
+    unk = dm.tokenizer.token_to_id("<unk>")
+    for split in ("train", "valid"):
+        assert int(dm.stream(split).max()) < dm.vocab_size
+    valid = dm.stream("valid").tolist()
+    assert valid.count(unk) >= 1 and valid[-1] == dm.eos_id
+    if kind == "word":  # the literal and the unseen word are both the special token
+        assert valid == [dm.tokenizer.token_to_id("the"), unk, unk, dm.eos_id]
+        torch.nn.Embedding(dm.vocab_size, 4)(dm.stream("train"))  # what failed on the first batch
+
+
+def test_a_cached_tokenizer_with_holes_is_refused_by_name(tmp_path):
+    cache = tmp_path / "cache"
+    load_tokenizer("k", ["a b c"], kind="word", max_vocab_size=10, min_frequency=1, cache_dir=cache)
+    (path,) = [p for p in cache.iterdir() if p.suffix == ".json"]
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    vocab["c"] = len(vocab) + 3  # a hole and an id beyond the size, as the old trainer wrote them
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{path.name}: vocabulary ids are not dense"):
+        load_tokenizer("k", [], kind="word", max_vocab_size=10, min_frequency=1, cache_dir=cache)
+
+
+def _load_in_process(cache, marks, index):
+    def lines():
+        (marks / f"trained-{index}").touch()  # only a process that trains reads the text
+        time.sleep(0.5)  # long enough for every other process to find no cache file
+        yield from ["a b c a", "b a"]
+
+    tok = load_tokenizer("k", lines(), kind="word", max_vocab_size=10, min_frequency=1, cache_dir=cache)
+    (marks / f"vocab-{index}.json").write_text(json.dumps(tok.get_vocab()))
+
+
+def test_processes_that_start_together_train_once_and_share_the_file(tmp_path):
+    cache, marks = tmp_path / "cache", tmp_path / "marks"
+    marks.mkdir()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_load_in_process, args=(cache, marks, i)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(list(marks.glob("trained-*"))) == 1
+    vocabs = [json.loads(p.read_text()) for p in sorted(marks.glob("vocab-*.json"))]
+    assert len(vocabs) == 3 and vocabs[0] == vocabs[1] == vocabs[2]
+    assert len(list(cache.glob("*.json"))) == 1
+
+
+def test_default_cache_is_outside_the_package(tmp_path, monkeypatch):
+    import lightning_commstrats
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    dm = LMDataModule(data_dir=str(write_corpus(tmp_path / "c")))
+    assert dm.cache_dir == tmp_path / "xdg" / "lightning_commstrats" / "tokenizers"
+    dm.vocab_size  # noqa: B018
+    assert len(list(dm.cache_dir.glob("tokenizer-word-*.json"))) == 1
+    package = Path(lightning_commstrats.__file__).parent
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert package not in LMDataModule().cache_dir.parents
 
 
 def test_word_vocabulary_keeps_the_most_frequent_words(tmp_path):

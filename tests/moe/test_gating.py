@@ -33,11 +33,26 @@ def test_swipe_shares_differ_by_at_most_one():
     assert sorted(loads.tolist()) == [2, 2, 3, 3]
 
 
-def test_top2_weights_sum_to_one_and_aux_loss_is_one_when_balanced():
+def test_top2_weights_sum_to_one():
     r = route(torch.randn(32, 4), 2, "aux")
     torch.testing.assert_close(r.weights.sum(-1), torch.ones(32))
-    uniform = route(torch.zeros(8, 4), 1, "aux")
-    assert uniform.aux_loss.item() == pytest.approx(1.0)
+
+
+def test_aux_loss_by_hand_punishes_one_overloaded_expert():
+    # E * sum_e f_e * P_e with softmax([ln 3, 0]) = [0.75, 0.25]
+    keen0 = torch.tensor([3.0, 1.0]).log()
+    keen1 = torch.tensor([1.0, 3.0]).log()
+    balanced = route(torch.stack([keen0, keen0, keen1, keen1]), 1, "aux")
+    assert balanced.load.tolist() == [2, 2]
+    # f = [1/2, 1/2], P = [1/2, 1/2]: 2 * (1/4 + 1/4)
+    assert balanced.aux_loss.item() == pytest.approx(1.0)
+    crowded = route(torch.stack([keen0] * 4).requires_grad_(), 1, "aux")
+    assert crowded.load.tolist() == [4, 0]
+    # f = [1, 0], P = [3/4, 1/4]: 2 * (3/4)
+    assert crowded.aux_loss.item() == pytest.approx(1.5)
+    logits = torch.stack([keen0] * 4).requires_grad_()
+    route(logits, 1, "aux").aux_loss.backward()
+    assert (logits.grad[:, 0] > 0).all() and (logits.grad[:, 1] < 0).all()  # descent moves tokens off expert 0
 
 
 @pytest.mark.parametrize(

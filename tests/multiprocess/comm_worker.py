@@ -1,5 +1,7 @@
 """One rank of the communication-layer test: runs every collective on known inputs, checks the
-results against values computed locally, and saves the recorded bytes per collective.
+results against values computed locally, and saves the recorded bytes per collective next to the
+payloads this rank really handed to the backend (elements and bytes per element of the buffers
+given to ``torch.distributed`` or to mpi4py), so the test can check the charges independently.
 
 Usage: ``comm_worker.py SPEC_JSON OUT_DIR`` with SPEC ``{"backend": "gloo" | "mpi", "numels": [...]}``.
 """
@@ -10,21 +12,69 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from rank_env import connect, finish
+
+HANDED: list[tuple[str, int, int]] = []  # (backend call, elements, bytes per element) as handed over
+
+
+def spy_on_torch_distributed() -> None:
+    """Record the first tensor argument of every torch.distributed collective the package calls."""
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "broadcast"):
+        real = getattr(dist, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            # reduce_scatter(out, inputs) and all_gather(outputs, input) carry the payload second
+            payload = args[1] if _name in ("reduce_scatter", "all_gather") else args[0]
+            if _name == "all_to_all_single":
+                payload = args[1]
+            if isinstance(payload, list):
+                payload = torch.cat([t.reshape(-1) for t in payload]) if _name == "reduce_scatter" else payload[0]
+            HANDED.append((_name, payload.numel(), payload.element_size()))
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, spy)
+
+
+class MPISpy:
+    """Stands in for the mpi4py communicator: records the send buffer of each call, then forwards."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        real = getattr(self.inner, name)
+        if name not in ("Allreduce", "Reduce_scatter_block", "Allgather", "Alltoallv", "Bcast"):
+            return real
+
+        def spy(*args, **kwargs):
+            buf = args[1] if name == "Allreduce" else args[0]  # Allreduce(IN_PLACE, buf)
+            arr = np.asarray(buf[0] if isinstance(buf, list) else buf)
+            HANDED.append((name, arr.size, arr.itemsize))
+            return real(*args, **kwargs)
+
+        return spy
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
     comm = connect(spec["backend"])
+    if spec["backend"] == "mpi":
+        comm.comm = MPISpy(comm.comm)
+    else:
+        spy_on_torch_distributed()
     rank, world = comm.rank, comm.world_size
     recorded: dict[str, int] = {}
+    handed: dict[str, list[tuple[str, int, int]]] = {}
 
     def charge(name: str, fn):
-        before = comm.stats.bytes_sent
+        before, first = comm.stats.bytes_sent, len(HANDED)
         result = fn()
         recorded[name] = comm.stats.bytes_sent - before
+        handed[name] = HANDED[first:]
         return result
 
     for k in spec["numels"]:
@@ -80,11 +130,20 @@ def main() -> None:
 
     # bf16 and uint8 travel too
     t = torch.full((4,), 1.5, dtype=torch.bfloat16)
-    comm.all_reduce(t, "sum")
+    charge("all_reduce_bf16", lambda: comm.all_reduce(t, "sum"))
     torch.testing.assert_close(t.float(), torch.full((4,), 1.5 * world))
+    t = torch.full((6 * world,), 0.5, dtype=torch.bfloat16)
+    chunk = charge("reduce_scatter_bf16", lambda: comm.reduce_scatter(t, "sum"))
+    torch.testing.assert_close(chunk.float(), torch.full((6,), 0.5 * world))
     comm.barrier()
     torch.save(
-        {"recorded": recorded, "calls": comm.stats.calls, "by_tag": comm.stats.by_tag, "comm": repr(comm)},
+        {
+            "recorded": recorded,
+            "handed": handed,
+            "calls": comm.stats.calls,
+            "by_tag": comm.stats.by_tag,
+            "comm": repr(comm),
+        },
         out / f"rank{rank}.pt",
     )
     if spec["backend"] != "mpi":

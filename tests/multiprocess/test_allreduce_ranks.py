@@ -5,10 +5,9 @@ import math
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import ring_bytes, run_ranks
 
 from lightning_commstrats.buckets import plan_buckets
-from lightning_commstrats.comm import wire
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,7 +46,7 @@ def test_two_ranks_equal_ddp_plain_accumulation_clipping_and_two_optimizers():
         results[0]["ar"]["params"]["layer.0.weight"], results[0]["ar_acc"]["params"]["layer.0.weight"]
     )
 
-    per_step = wire.all_reduce_bytes(N_PARAMS, 4, 2)
+    per_step = ring_bytes(N_PARAMS, 4, 2)
     for res in results:
         stats = res["ar"]["stats"]
         assert stats["steps"] == 8
@@ -58,13 +57,13 @@ def test_two_ranks_equal_ddp_plain_accumulation_clipping_and_two_optimizers():
         # manual optimization: Lightning's max_steps counts each optimizer's step, so 5 batches x 2
         assert res["ar_manual"]["stats"]["steps"] == 10
         assert res["ar_manual"]["stats"]["grad/bytes_sent"] == 5 * (
-            wire.all_reduce_bytes(32 * 16 + 16, 4, 2) + wire.all_reduce_bytes(16 * 2 + 2, 4, 2)
+            ring_bytes(32 * 16 + 16, 4, 2) + ring_bytes(16 * 2 + 2, 4, 2)
         )
         small = res["ar_small_buckets"]["stats"]
         # a 1048-byte cap: the 2048-byte weight alone, the three small tensors together
         assert plan_buckets([torch.zeros(n) for n in (512, 16, 32, 2)], int(0.001 * 2**20)) == [[0], [1, 2, 3]]
         assert small["grad/calls"] == 8 * 2
-        assert small["grad/bytes_sent"] == 8 * (wire.all_reduce_bytes(512, 4, 2) + wire.all_reduce_bytes(50, 4, 2))
+        assert small["grad/bytes_sent"] == 8 * (ring_bytes(512, 4, 2) + ring_bytes(50, 4, 2))
     # the monitor logged rank 0's bytes of the last batch
     assert results[0]["ar"]["logged"]["comm/grad_bytes"] == per_step
 
@@ -88,4 +87,4 @@ def test_under_mpiexec_equal_ddp_over_mpi_and_gloo():
     _check(results, "ar_mpi")
     _check(results, "ar_gloo")
     assert "MPICommunicator" in results[0]["ar_mpi"]["comm"]
-    assert results[1]["ar_mpi"]["stats"]["grad/bytes_sent"] == 8 * wire.all_reduce_bytes(N_PARAMS, 4, 2)
+    assert results[1]["ar_mpi"]["stats"]["grad/bytes_sent"] == 8 * ring_bytes(N_PARAMS, 4, 2)

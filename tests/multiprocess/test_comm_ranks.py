@@ -1,7 +1,8 @@
-"""The communication layer on real ranks: results against local references, bytes against wire.py."""
+"""The communication layer on real ranks: results against local references, bytes against the buffers
+each rank handed to the backend (and against wire.py)."""
 
 import pytest
-from harness import WORKER, run_ranks
+from harness import WORKER, ring_bytes, run_ranks
 
 from lightning_commstrats.comm import wire
 
@@ -11,7 +12,27 @@ NUMELS = [1000, 1001, 7]
 pytestmark = pytest.mark.multiprocess
 
 
+def _check_against_payloads(results, world):
+    """The charges against the buffers each rank really handed to the backend."""
+    for rank, res in enumerate(results):
+        rec, handed = res["recorded"], res["handed"]
+        for name, passes in [(f"all_reduce_{k}", 2) for k in NUMELS] + [
+            ("all_reduce_bf16", 2),
+            ("reduce_scatter", 1),
+            ("reduce_scatter_bf16", 1),
+        ]:
+            ((_, numel, itemsize),) = handed[name]
+            assert rec[name] == ring_bytes(numel, itemsize, world, passes), (rank, name, handed[name])
+        ((_, numel, itemsize),) = handed["all_gather"]
+        assert rec["all_gather"] == (world - 1) * numel * itemsize  # forwards every part but its own
+        ((_, numel, itemsize),) = handed["broadcast"]
+        assert numel * itemsize == 20
+    # a binomial tree delivers the buffer once to each of the other ranks
+    assert sum(res["recorded"]["broadcast"] for res in results) == (world - 1) * 20
+
+
 def _check_bytes(results, world):
+    _check_against_payloads(results, world)
     for rank, res in enumerate(results):
         rec = res["recorded"]
         for k in NUMELS:

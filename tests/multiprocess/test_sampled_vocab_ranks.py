@@ -3,9 +3,7 @@ ranks identical after every step; composition with 1-bit; bytes of ids and rows 
 
 import pytest
 import torch
-from harness import run_ranks
-
-from lightning_commstrats.comm import wire
+from harness import ring_bytes, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -87,4 +85,4 @@ def test_all_words_equal_allreduce_and_unselected_rows_never_move():
     rows = results[0]["few_words"]["rows"][-1]
     width = H + H + 1
     last = results[0]["few_words"]["last_step"]
-    assert last["vocab_rows/bytes_sent"] == wire.all_reduce_bytes(rows.numel() * width, 4, 2)
+    assert last["vocab_rows/bytes_sent"] == ring_bytes(rows.numel() * width, 4, 2)

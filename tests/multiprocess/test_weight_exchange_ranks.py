@@ -3,9 +3,7 @@ validation on the global model, and resume mid-block."""
 
 import pytest
 import torch
-from harness import run_ranks
-
-from lightning_commstrats.comm import wire
+from harness import ring_bytes, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,7 +58,7 @@ def test_equivalences_bytes_final_sync_and_validation_on_two_ranks():
         # between synchronisations the ranks really differ
         assert not torch.equal(res["ma4"]["trace"][1], results[0]["ma4"]["trace"][1]) or res is results[0]
         # bytes: the model's ring all-reduce once per period (8 steps / 4 = 2 synchronisations)
-        assert res["ma4"]["stats"]["weights/bytes_sent"] == 2 * wire.all_reduce_bytes(N_PARAMS, 4, 2)
+        assert res["ma4"]["stats"]["weights/bytes_sent"] == 2 * ring_bytes(N_PARAMS, 4, 2)
         assert res["ma4"]["stats"].get("grad/bytes_sent", 0) == 0
         # 10 steps with period 4: two blocks and a final partial one
         assert res["bmuf_partial"]["stats"]["weights/calls"] == 3

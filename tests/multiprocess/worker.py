@@ -8,14 +8,21 @@ Scenario keys: ``strategy`` ("ddp" or a package registry name), ``kwargs`` (stra
 ``model`` ("mlp" or "manual2": two optimizers under manual optimization), ``devices``,
 ``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``, ``trace`` (keep
 the flat parameters after every step), ``ckpt_every`` (save a checkpoint every that many steps
-into ``OUT_DIR/<scenario>``), ``resume`` (``[scenario, step]``: start from that checkpoint),
+into ``OUT_DIR/<scenario>``, or ``ckpt_dir``), ``resume`` (``[scenario, step]``: start from that
+checkpoint; ``resume_path``: from a checkpoint file of another run),
 ``val_every`` (validate every that many batches and keep the flat parameters seen by validation),
 ``model_kwargs`` (model arguments; model "lm" is a small LanguageModel on synthetic tokens, and a
 strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``precision``
 (``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
-that rank at that step), ``state_trace`` (keep the strategy's state after every step) and
+that rank at that step), ``perturb`` (``[step, rank]``: 1e-3 added to one parameter of that rank
+after that step), ``marker_at`` (touch ``OUT_DIR/running<rank>`` after that step),
+``state_trace`` (keep the strategy's state after every step) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
-average).
+average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
+``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
+``save_memory``: after fit, save ``OUT_DIR/<scenario>.ckpt`` and keep how far resident memory rose.
+``validate_ckpt`` (``[scenario, step]``: validate that checkpoint instead of training), ``validate_after``
+(validate once fit ends); both keep ``val/loss``.
 """
 
 from __future__ import annotations
@@ -112,6 +119,9 @@ class TinyLM(LanguageModel):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(StreamWindows(self.stream, 8, pad_id=2), batch_size=self.batch_size, shuffle=False)
 
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(StreamWindows(self.stream[:257], 8, pad_id=2), batch_size=self.batch_size)
+
 
 class TinyMoELM(TinyLM):
     """TinyLM as a two-block Transformer whose second FFN is a mixture of 4 experts."""
@@ -133,7 +143,75 @@ class TinyMoELM(TinyLM):
         super().__init__(**{**moe, **kwargs})
 
 
-MODELS = {"mlp": Mlp, "manual2": ManualTwoOptimizers, "lm": TinyLM, "moe": TinyMoELM}
+class BatchNormMlp(Mlp):
+    """The MLP with a BatchNorm between its layers: running statistics that each rank's data moves."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layer = nn.Sequential(nn.Linear(32, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+
+    def train_dataloader(self) -> DataLoader:  # other data on every rank: shifted by the rank
+        data = RandomDataset(32, 256)
+        data.data += self.trainer.global_rank
+        return DataLoader(data, batch_size=self.batch_size, shuffle=False)
+
+
+class UnevenMlp(Mlp):
+    """The MLP whose rank ``r`` trains on batches of ``batch_size + 2 r`` samples (a custom sampler's doing)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 256), batch_size=self.batch_size + 2 * self.trainer.global_rank)
+
+
+class WideMlp(Mlp):
+    """The MLP with a 2048 x 2048 hidden layer (16 MiB of weights, as much again of momentum): a
+    rank's state large enough that memory measurements of a checkpoint save see it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layer = nn.Sequential(nn.Linear(32, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, 2))
+
+
+def save_peak_memory(trainer: L.Trainer, path: Path) -> dict[str, int]:
+    """Save a checkpoint and return how far this process's resident memory rose above where it
+    started (the kernel's high-water mark, reset just before), and the rank state's size."""
+
+    def status(key: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key))
+        return int(line.split()[1]) * 1024
+
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(trainer.strategy.rank_state_dict()))
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    before = status("VmRSS:")
+    trainer.save_checkpoint(path)
+    return {"rise": status("VmHWM:") - before, "rank_state_bytes": state_bytes}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(value, torch.Tensor, found.append)
+    return found
+
+
+class BuffersAtEnd(L.Callback):
+    """The module's buffers when training ends, before the strategy's own end-of-fit hook."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.buffers = {k: v.detach().clone() for k, v in pl_module.named_buffers()}
+
+
+MODELS = {
+    "mlp": Mlp,
+    "manual2": ManualTwoOptimizers,
+    "lm": TinyLM,
+    "moe": TinyMoELM,
+    "bn": BatchNormMlp,
+    "uneven": UnevenMlp,
+    "wide": WideMlp,
+}
 
 
 class Trace(L.Callback):
@@ -164,6 +242,29 @@ class InjectInf(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
+
+
+class Perturb(L.Callback):
+    """Adds 1e-3 to the first parameter on one rank after one optimizer step: replicas that diverge."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                next(pl_module.parameters()).add_(1e-3)
+
+
+class Marker(L.Callback):
+    """Touches ``<out>/running<rank>`` after one optimizer step: the run is under way."""
+
+    def __init__(self, out: Path, step: int) -> None:
+        self.out, self.step = out, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            (self.out / f"running{trainer.global_rank}").touch()
 
 
 class StateTrace(L.Callback):
@@ -218,6 +319,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     strategy = L.pytorch.strategies.StrategyRegistry[strategy_name]["strategy"](**kwargs) if ours else strategy_name
     callbacks: list[L.Callback] = [CommStatsMonitor(summary_at_end=False)] if ours else []
     trace = Trace()
+    at_end = BuffersAtEnd()
+    callbacks.append(at_end)
     if sc.get("trace"):
         callbacks.append(trace)
     states = StateTrace()
@@ -225,17 +328,26 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         callbacks.append(states)
     if sc.get("inject_inf"):
         callbacks.append(InjectInf(*sc["inject_inf"]))
+    if sc.get("perturb"):
+        callbacks.append(Perturb(*sc["perturb"]))
+    if sc.get("marker_at"):
+        callbacks.append(Marker(out, sc["marker_at"]))
     plugins = [lightning_commstrats.LayeredMixedPrecision(**sc["precision"])] if sc.get("precision") else []
     if sc.get("ckpt_every"):
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
-                dirpath=out / name, filename="{step}", every_n_train_steps=sc["ckpt_every"], save_top_k=-1
+                dirpath=sc.get("ckpt_dir", out / name),
+                filename="{step}",
+                every_n_train_steps=sc["ckpt_every"],
+                save_top_k=-1,
             )
         )
     ckpt_path = None
     if sc.get("resume"):
         source, step = sc["resume"]
         ckpt_path = out / source / f"step={step}.ckpt"
+    if sc.get("resume_path"):  # a checkpoint written by another run (another number of ranks)
+        ckpt_path = sc["resume_path"]
     exchanges: list[dict[str, Any]] = []
     if sc.get("record_exchange"):
         record_pseudo_gradients(strategy, exchanges)
@@ -256,7 +368,14 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         callbacks=callbacks,
         plugins=plugins,
     )
-    trainer.fit(model, ckpt_path=ckpt_path)
+    val_loss = None
+    if sc.get("validate_ckpt"):  # evaluate a checkpoint of an earlier scenario instead of training
+        source, step = sc["validate_ckpt"]
+        val_loss = trainer.validate(model, ckpt_path=out / source / f"step={step}.ckpt", verbose=False)[0]["val/loss"]
+    else:
+        trainer.fit(model, ckpt_path=ckpt_path)
+        if sc.get("validate_after"):
+            val_loss = trainer.validate(model, verbose=False)[0]["val/loss"]
     result: dict[str, Any] = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": model.losses,
@@ -267,7 +386,21 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "states": states.states,
         "precision": trainer.precision_plugin.state_dict(),
         "exchanges": exchanges,
+        "buffers_before_end": at_end.buffers,
+        "val_loss": val_loss,
     }
+    if sc.get("ckpt_every") and not sc.get("validate_ckpt") and not sc.get("ckpt_dir"):
+        # what the last checkpoint holds: the file's strategy state, this rank's shard
+        last = max((out / name).glob("step=*.ckpt"), key=lambda f: int(f.stem.split("=")[1]))
+        saved = torch.load(last, weights_only=False)[lightning_commstrats.strategies.base.STATE_KEY]
+        shard = out / name / saved["shards"][trainer.global_rank]
+        result["checkpoint"] = {"keys": sorted(saved), "shards": saved["shards"], "mine": torch.load(shard)}
+    if sc.get("save_memory"):
+        result["save_memory"] = save_peak_memory(trainer, out / f"{name}.ckpt")
+        result["files"] = sorted(p.name for p in out.glob(f"{name}.ckpt*"))
+    if ours:
+        result["sync_history"] = list(getattr(trainer.strategy, "sync_history", []))
+        result["samples_per_worker"] = trainer.strategy.samples_per_worker
     if ours:
         stats = trainer.strategy.comm_stats
         result["stats"] = stats.snapshot().as_dict()

@@ -108,3 +108,44 @@ def test_demo_lstm_one_epoch_one_rank_beats_the_unigram_model_by_30_percent():
     unigram = cli.datamodule.unigram_perplexity("valid")
     print(f"demo LSTM after one epoch on 1 rank: valid perplexity {ppl:.2f}, unigram {unigram:.2f}")
     assert ppl <= 0.7 * unigram
+
+
+def test_a_corpus_that_already_has_unk_trains_below_the_unigram_model(tmp_path):
+    """Penn Treebank / WikiText style: rare words replaced by the literal ``<unk>`` beforehand."""
+    import collections
+    import gzip
+
+    from lightning_commstrats.data import BROWN_DIR
+
+    def read(name, n):
+        with gzip.open(BROWN_DIR / f"{name}.txt.gz", "rt") as f:
+            return [next(f).split() for _ in range(n)]
+
+    train, valid = read("train", 3000), read("valid", 300)
+    counts = collections.Counter(w for line in train for w in line)
+    known = {w for w, c in counts.items() if c >= 3}
+    corpus = tmp_path / "ptb_style"
+    corpus.mkdir()
+    for name, lines in (("train", train), ("valid", valid), ("test", valid)):
+        text = "\n".join(" ".join(w if w in known else "<unk>" for w in line) for line in lines)
+        (corpus / f"{name}.txt").write_text(text + "\n")
+    assert "<unk>" in (corpus / "train.txt").read_text()
+    cli = main(
+        [
+            "fit",
+            "--config",
+            TINY,
+            f"--data.data_dir={corpus}",
+            f"--data.cache_dir={tmp_path / 'cache'}",
+            "--trainer.max_steps=200",
+            "--trainer.val_check_interval=200",
+            "--data.batch_size=16",
+            "--model.lr=0.01",
+            "--trainer.limit_val_batches=20",
+        ]
+    )
+    ppl = float(cli.trainer.callback_metrics["val/ppl"])
+    unigram = cli.datamodule.unigram_perplexity("valid")
+    assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size == len(cli.datamodule.tokenizer.get_vocab())
+    print(f"<unk> corpus: valid perplexity {ppl:.1f}, unigram {unigram:.1f}")
+    assert ppl < unigram, (ppl, unigram)

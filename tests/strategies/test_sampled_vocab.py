@@ -39,8 +39,8 @@ class TinyLM(LanguageModel):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"alpha": -1}, "alpha must be a count >= 0 or a fraction in"),
-        ({"beta": -0.5}, "beta must be a count >= 0 or a fraction in"),
+        ({"alpha": -1}, r"alpha must be a count >= 0 \(an int\) or a fraction in"),
+        ({"beta": -0.5}, r"beta must be a count >= 0 \(an int\) or a fraction in"),
         ({"alpha": "all"}, "alpha must be a count"),
     ],
 )

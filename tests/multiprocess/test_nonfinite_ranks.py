@@ -1,0 +1,97 @@
+"""Non-finite averages on real ranks: residuals never take an inf or a NaN, every rank reports the
+same parameters, and the ``nonfinite`` policy raises or skips the step on every rank at once."""
+
+import pytest
+import torch
+from harness import WORKER, run_ranks
+from test_precision_ranks import equal
+
+pytestmark = pytest.mark.multiprocess
+
+NONFINITE_WORKER = WORKER.parent / "nonfinite_worker.py"
+SKIP = 3  # the optimizer step whose gradient gets an inf, on rank 1 only
+
+
+def _finite(residuals):
+    return all(bool(torch.isfinite(r).all()) for d in residuals.values() for r in d.values())
+
+
+@pytest.mark.parametrize("bits", [1, 4, 16])
+def test_an_inf_on_one_rank_is_reported_everywhere_and_keeps_the_residuals(bits):
+    rounds = ["normal", "inf", "normal", "nan_small", "normal"]
+    results = run_ranks({"bits": bits, "rounds": rounds}, 2, script=NONFINITE_WORKER)
+    for res in results:
+        assert [r["bad"] for r in res] == [[], ["w"], [], ["b"], []]
+        for i in (1, 3):  # the residuals of a round with a non-finite average are those before it
+            assert equal(res[i]["residuals"], res[i - 1]["residuals"])
+        assert res[0]["residuals"]["residuals"]  # there are residuals to keep
+        assert all(_finite(r["residuals"]) for r in res)
+        assert not equal(res[2]["residuals"], res[1]["residuals"])  # and the next round moves them again
+        assert torch.isfinite(res[4]["avg"]["w"]).all()
+    for a, b in zip(*results, strict=True):  # the same averages on both ranks, NaN where NaN
+        for name in a["avg"]:
+            torch.testing.assert_close(a["avg"][name], b["avg"][name], rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_float16_sum_that_overflows_keeps_the_residuals():
+    # each rank's 40000 is a float16, their sum of 80000 is not: the owner's re-quantization overflows
+    results = run_ranks({"bits": 16, "rounds": ["normal", "overflow", "normal"]}, 2, script=NONFINITE_WORKER)
+    for res in results:
+        assert [r["bad"] for r in res] == [[], ["w"], []]
+        assert equal(res[1]["residuals"], res[0]["residuals"])
+        assert all(_finite(r["residuals"]) for r in res)
+
+
+def _trace_scenario(strategy, kwargs):
+    return {
+        "strategy": strategy,
+        "kwargs": kwargs,
+        "max_steps": 6,
+        "momentum": 0.0,  # an inf in SGD's momentum would poison the next steps of that rank anyway
+        "inject_inf": [SKIP, 1],
+        "trace": True,
+        "state_trace": True,
+    }
+
+
+def test_skip_policy_skips_the_step_on_every_rank_and_changes_no_state():
+    scenarios = {
+        "onebit": _trace_scenario("onebit_sgd", {"small_tensor_numel": 64, "nonfinite": "skip"}),
+        # blocks of 2 steps: the inf makes rank 1's weights non-finite just before a sync
+        "diloco": _trace_scenario(
+            "diloco", {"sync_period": 2, "pseudo_grad_bits": 4, "small_tensor_numel": 16, "nonfinite": "skip"}
+        ),
+    }
+    results = run_ranks({"scenarios": scenarios}, 2)
+    for res in results:
+        states, trace = res["onebit"]["states"], res["onebit"]["trace"]
+        assert [s["skipped"] for s in states] == [i == SKIP for i in range(6)]
+        assert equal(states[SKIP]["rank"], states[SKIP - 1]["rank"]) and states[SKIP]["rank"]["residuals"]
+        assert equal(states[SKIP]["state"], states[SKIP - 1]["state"])
+        assert torch.equal(trace[SKIP], trace[SKIP - 1])
+        assert not torch.equal(trace[SKIP + 1], trace[SKIP])
+        assert torch.isfinite(trace[-1]).all()
+        # diloco: the block ending at the inf is discarded: the global model and its momentum stay,
+        # every rank restarts from it
+        states, trace = res["diloco"]["states"], res["diloco"]["trace"]
+        before, after = states[SKIP - 2]["state"], states[SKIP]["state"]  # the syncs after steps 2 and 4
+        assert equal(after["outer"], before["outer"])
+        assert torch.equal(trace[SKIP], torch.cat([w.reshape(-1) for w in after["outer"]["weights"]]))
+        assert all(torch.isfinite(r).all() for r in states[SKIP]["rank"]["exchange"]["residuals"].values())
+        assert not equal(states[SKIP + 2]["state"]["outer"], after["outer"])  # the next block syncs
+        assert torch.isfinite(trace[-1]).all()
+    for name in scenarios:
+        r0, r1 = (r[name] for r in results)
+        for k, v in r0["params"].items():
+            assert torch.equal(v, r1["params"][k]), (name, k)
+
+
+def test_raise_policy_stops_every_rank_naming_the_parameter():
+    scenarios = {"raise": _trace_scenario("onebit_sgd", {"small_tensor_numel": 64})}
+    with pytest.raises(RuntimeError, match="failed") as info:
+        run_ranks({"scenarios": scenarios}, 2, timeout=120)
+    logs = str(info.value).split("--- log ")
+    assert len(logs) == 3
+    for log in logs[1:]:  # both ranks raised, not only the one with the inf
+        assert "FloatingPointError: OneBitSGDStrategy: the averaged gradients of layer.0.weight hold inf or NaN" in log
+        assert f"at optimizer step {SKIP}" in log
