@@ -110,10 +110,9 @@ class BenchProbe(L.Callback):
             # A validation follows. An exchange still running in the background (streaming_diloco)
             # would finish during it, its seconds and bytes booked to validation: wait for it here,
             # so that it counts as training and never hides behind the validation pause.
-            inflight = getattr(trainer.strategy, "_inflight", None)
-            future = getattr(inflight, "future", None)
-            if future is not None:
-                future.result()
+            wait = getattr(trainer.strategy, "wait_for_exchange", None)
+            if wait is not None:
+                wait()
         now = time.perf_counter()
         self.step_seconds.append(now - self._batch_start)
         self.train_seconds += now - self._mark

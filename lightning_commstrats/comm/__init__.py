@@ -10,13 +10,18 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from lightning_commstrats.comm import wire
 from lightning_commstrats.comm.base import REDUCE_OPS, CollectiveError, Communicator, LocalCommunicator
 from lightning_commstrats.comm.mpi import MPI4PY_AVAILABLE, MPICommunicator, import_mpi
 from lightning_commstrats.comm.stats import CommCounters, CommSnapshot, CommStats, delta
-from lightning_commstrats.comm.torch_dist import Heartbeat, TorchCommunicator, destroy_process_group, init_process_group
+from lightning_commstrats.comm.torch_dist import (
+    Heartbeat,
+    TorchCommunicator,
+    destroy_process_group,
+    init_process_group,
+    world_heartbeat,
+)
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
@@ -102,5 +107,4 @@ def create_communicator(
         device=device,
         timeout=timeout,
     )
-    store = dist.distributed_c10d._get_default_store()  # the world group's rendezvous store
-    return TorchCommunicator(heartbeat=Heartbeat(store, rank, world_size))
+    return TorchCommunicator(heartbeat=world_heartbeat(rank, world_size))

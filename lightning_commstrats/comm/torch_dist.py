@@ -66,6 +66,22 @@ class Heartbeat:
         self._stop.set()
 
 
+_HEARTBEAT: tuple[object, Heartbeat] | None = None  # (the default process group, its heartbeat)
+
+
+def world_heartbeat(rank: int, world_size: int) -> Heartbeat:
+    """The heartbeat of the default process group: one beating thread per process, however many
+    communicators (Trainers) use the group; a new group gets a new one."""
+    global _HEARTBEAT
+    group = dist.distributed_c10d._get_default_group()
+    if _HEARTBEAT is None or _HEARTBEAT[0] is not group:
+        if _HEARTBEAT is not None:
+            _HEARTBEAT[1].close()
+        store = dist.distributed_c10d._get_default_store()  # the world group's rendezvous store
+        _HEARTBEAT = (group, Heartbeat(store, rank, world_size))
+    return _HEARTBEAT[1]
+
+
 class TorchCommunicator(Communicator):
     """Collectives on a ``torch.distributed`` process group.
 
@@ -158,5 +174,9 @@ def init_process_group(
 
 
 def destroy_process_group() -> None:
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT[1].close()
+        _HEARTBEAT = None
     if dist.is_initialized():
         dist.destroy_process_group()

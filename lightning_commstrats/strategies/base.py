@@ -433,7 +433,7 @@ class CommStrategy(ParallelStrategy):
                 checkpoint[STATE_KEY]["rank"] = _to_cpu(self.rank_state_dict())
             else:
                 shards = [shard_name(filepath, r, self.world_size) for r in range(self.world_size)]
-                mine = os.path.join(os.path.dirname(str(filepath)), shards[self.global_rank])
+                mine = _beside(filepath, shards[self.global_rank])
                 self._write_shard(_to_cpu(self.rank_state_dict()), mine)
                 self._comm.barrier()
                 checkpoint[STATE_KEY]["shards"] = shards
@@ -458,7 +458,7 @@ class CommStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)  # rank 0: the file
-        shard = os.path.join(os.path.dirname(str(filepath)), shard_name(filepath, self.global_rank, self.world_size))
+        shard = _beside(filepath, shard_name(filepath, self.global_rank, self.world_size))
         if os.path.exists(shard):  # every rank: its own shard
             self.checkpoint_io.remove_checkpoint(shard)
 
@@ -474,7 +474,7 @@ class CommStrategy(ParallelStrategy):
             elif "rank" in saved:  # saved by one process
                 pass
             elif saved["world_size"] == self.world_size:  # this rank's shard only
-                shard = os.path.join(os.path.dirname(str(checkpoint_path)), saved["shards"][self.global_rank])
+                shard = _beside(checkpoint_path, saved["shards"][self.global_rank])
                 if not os.path.exists(shard):
                     raise FileNotFoundError(
                         f"{checkpoint_path} needs this rank's shard {shard} (rank {self.global_rank} of"
@@ -484,7 +484,7 @@ class CommStrategy(ParallelStrategy):
             elif self.resume_mismatch == "reshard" and saved.get("shards"):
                 # another number of ranks: rank r starts from old rank r mod N_old's state
                 old = self.global_rank % saved["world_size"]
-                shard = os.path.join(os.path.dirname(str(checkpoint_path)), saved["shards"][old])
+                shard = _beside(checkpoint_path, saved["shards"][old])
                 exists = os.path.exists(shard)
                 saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only) if exists else None
             else:
@@ -595,7 +595,7 @@ class CommStrategy(ParallelStrategy):
 
     def handle_nonfinite(self, names: Sequence[str], what: str) -> bool:
         """Apply the ``nonfinite`` policy to ``names``: raise, or return True (skip) with a warning."""
-        shown = ", ".join(list(names)[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        shown = _some_names(names)
         if self.nonfinite == "raise":
             raise FloatingPointError(
                 f"{type(self).__name__}: the averaged {what} of {shown} hold inf or NaN at optimizer step"
@@ -641,7 +641,7 @@ class CommStrategy(ParallelStrategy):
         bad = [name for name, d in zip(named, differs.any(0).tolist(), strict=True) if d]
         if bad:
             ranks = [r for r in range(self.world_size) if bool(differs[r].any())]
-            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            shown = _some_names(bad)
             message = (
                 f"{type(self).__name__}: replicas disagree at optimizer step {self.optimizer_steps}: {shown}"
                 f" differ between rank 0 and ranks {ranks}"
@@ -707,6 +707,16 @@ class CommStrategy(ParallelStrategy):
 def shard_name(filepath: Any, rank: int, world_size: int) -> str:
     """The file name of rank ``rank``'s shard of the checkpoint ``filepath`` (beside it)."""
     return f"{os.path.basename(str(filepath))}.rank{rank}-of-{world_size}"
+
+
+def _beside(filepath: Any, name: str) -> str:
+    """The path of the file ``name`` in the folder of ``filepath``."""
+    return os.path.join(os.path.dirname(str(filepath)), name)
+
+
+def _some_names(names: Sequence[str], most: int = 8) -> str:
+    """The first ``most`` names, and how many more."""
+    return ", ".join(list(names)[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -306,10 +306,9 @@ class PeriodicSyncStrategy(CommStrategy):
 
     def _apply(self) -> None:
         """The outer step of the fragment in flight; its local weights restart from (or mix with) the result."""
+        self.wait_for_exchange()  # re-raises a failed exchange here
         pending, self._inflight = self._inflight, None
         assert pending is not None and self.outer is not None
-        if pending.future is not None:
-            pending.nonfinite = pending.future.result()  # re-raises a failed exchange here
         f = pending.fragment
         if pending.nonfinite and self.handle_nonfinite(pending.nonfinite, f"pseudo-gradients (fragment {f})"):
             # the block is discarded on every rank: no outer step, the fragment restarts from the global model
@@ -401,7 +400,7 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def state_dict(self) -> dict[str, Any]:
         inflight = None
-        self._wait_inflight()
+        self.wait_for_exchange()
         if self._inflight is not None:
             inflight = {
                 "fragment": self._inflight.fragment,
@@ -434,16 +433,18 @@ class PeriodicSyncStrategy(CommStrategy):
         weights = None if started else rank_state["weights"]
         return {"weights": weights, "optimizers": rank_state["optimizers"], "exchange": None}
 
-    def _wait_inflight(self) -> None:
-        """Let the exchange in flight complete (every rank saves at the same step). Before either
-        state is read: the background thread is still writing the quantization residuals."""
+    def wait_for_exchange(self) -> None:
+        """Let the exchange in flight (if any) complete; its result is applied at its step as
+        planned. Called before it lands, before either state is read for a checkpoint (the
+        background thread is still writing the quantization residuals), and by a benchmark that
+        must not let an exchange overlap anything but training."""
         if self._inflight is not None and self._inflight.future is not None:
             self._inflight.nonfinite = self._inflight.future.result()
             self._inflight.future = None
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        self._wait_inflight()
+        self.wait_for_exchange()
         return {
             "weights": self.flat_weights(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],

@@ -129,26 +129,27 @@ def test_bad_target_or_budget_fails_at_construction():
         probe.BenchProbe("x", budget_seconds=-1)
 
 
-class Exchange:
-    """A background exchange in flight whose end the clock sees: ``result()`` advances it."""
+class Exchange(Broadcast):
+    """A strategy with a background exchange in flight whose end the clock sees:
+    ``wait_for_exchange()`` advances it."""
 
     def __init__(self, clock, lands_at) -> None:
+        super().__init__()
         self.clock, self.lands_at, self.waited = clock, lands_at, False
 
-    def result(self):
+    def wait_for_exchange(self):
         self.waited = True
         self.clock.now = max(self.clock.now, self.lands_at)
 
 
 def test_an_exchange_in_flight_is_waited_for_before_a_validation_and_counts_as_training(clock, tmp_path):
     cb = probe.BenchProbe(str(tmp_path))
-    strategy = Broadcast()
+    strategy = Exchange(clock, lands_at=1.5)
     trainer = _trainer(strategy=strategy)
     trainer.val_check_batch = 2
     cb.on_train_start(trainer, None)
-    strategy._inflight = SimpleNamespace(future=Exchange(clock, lands_at=1.5))
     _batch(cb, trainer, clock, 0.0, 1.0)  # step 1: no validation follows, the exchange keeps running
-    assert not strategy._inflight.future.waited and cb.train_seconds == pytest.approx(1.0)
+    assert not strategy.waited and cb.train_seconds == pytest.approx(1.0)
     _batch(cb, trainer, clock, 1.0, 1.2)  # step 2: validation follows, so the batch ends when it lands
-    assert strategy._inflight.future.waited
+    assert strategy.waited
     assert cb.train_seconds == pytest.approx(1.5) and cb.step_seconds[-1] == pytest.approx(0.5)

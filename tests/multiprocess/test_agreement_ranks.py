@@ -62,6 +62,7 @@ def test_verify_sync_finds_replicas_that_diverged_and_every_rank_raises():
     results = run_ranks({"scenarios": scenarios}, 2)  # replicas that agree pass the check every step
     for r in results:
         assert r["allreduce"]["stats"]["control/calls"] >= 4
+        assert r["diloco"]["heartbeats"] == 1  # two Trainers in one process, one heartbeat thread
     # rank 1's weights moved by 1e-3 after step 2: the check after step 3 names the parameter
     broken = {"broken": {"strategy": "allreduce", "kwargs": check, "max_steps": 6, "perturb": [2, 1]}}
     with pytest.raises(RuntimeError, match="failed") as info:

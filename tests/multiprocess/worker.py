@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +389,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "exchanges": exchanges,
         "buffers_before_end": at_end.buffers,
         "val_loss": val_loss,
+        "heartbeats": sum(t.name == "commstrats-heartbeat" for t in threading.enumerate()),
     }
     if sc.get("ckpt_every") and not sc.get("validate_ckpt") and not sc.get("ckpt_dir"):
         # what the last checkpoint holds: the file's strategy state, this rank's shard
