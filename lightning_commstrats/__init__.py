@@ -7,12 +7,14 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="allreduce")
 
-and exports the mixed-precision plugin ``LayeredMixedPrecision`` (``plugins=[...]``).
+and with Fabric's ``STRATEGY_REGISTRY`` (``L.Fabric(strategy="bmuf")``, see
+:mod:`lightning_commstrats.fabric`), and exports the mixed-precision plugin ``LayeredMixedPrecision`` (``plugins=[...]``).
 """
 
 from lightning_commstrats._registry import register_strategies
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
+from lightning_commstrats.fabric import FabricStrategy, register_fabric_strategies
 from lightning_commstrats.precision import LayeredMixedPrecision
 from lightning_commstrats.strategies import (
     STRATEGIES,
@@ -42,6 +44,7 @@ __all__ = [
     "Communicator",
     "DiLoCoStrategy",
     "ExpertParallelStrategy",
+    "FabricStrategy",
     "LayeredMixedPrecision",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
@@ -49,7 +52,9 @@ __all__ = [
     "PeriodicSyncStrategy",
     "SampledVocabStrategy",
     "StreamingDiLoCoStrategy",
+    "register_fabric_strategies",
     "register_strategies",
 ]
 
 register_strategies()
+register_fabric_strategies()

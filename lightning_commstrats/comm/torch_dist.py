@@ -52,6 +52,8 @@ class Heartbeat:
         """The other ranks whose counter did not move over four beats, leaving out those that
         reported a failed collective themselves (they saw the same dead peer and are leaving too);
         ``None`` when the store cannot be reached (rank 0's process, which hosts it, is gone)."""
+        if self.store is None:
+            return None
         try:
             self.store.set(f"{self.PREFIX}failed/{self.rank}", "1")
             before = [int(self.store.add(f"{self.PREFIX}{r}", 0)) for r in range(self.world_size)]
@@ -63,7 +65,12 @@ class Heartbeat:
         return [r for r in range(self.world_size) if r not in reported and after[r] == before[r]]
 
     def close(self) -> None:
+        """Stop beating and let go of the store: rank 0's store (a server) must close with its process
+        group, or a later group's rendezvous on the same port would find the old one."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self.store = None
 
 
 _HEARTBEAT: tuple[object, Heartbeat] | None = None  # (the default process group, its heartbeat)

@@ -215,16 +215,21 @@ class CommStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.check_launch()
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def check_launch(self) -> None:
+        """Ranks of ``backend="mpi"`` must come from ``mpiexec``: Lightning cannot start them."""
+        assert self.cluster_environment is not None
         if self._backend == "mpi" and self.num_nodes * self.num_processes > 1:
             if not self.cluster_environment.creates_processes_externally:
                 raise RuntimeError(
                     f"backend='mpi' with devices={self.num_processes} needs its ranks started by MPI:"
                     f" run `mpiexec -n {self.num_nodes * self.num_processes} python <script>`"
                 )
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         """Assign ranks like ``ddp``; when the processes were started outside Lightning (``mpiexec``,
@@ -301,6 +306,16 @@ class CommStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self.setup_scheme()
+
+    def setup_scheme(self) -> None:
+        """The model is on its device with rank 0's weights: build the scheme's own structures (both
+        front ends, the Trainer and Fabric, call it once per run)."""
+
+    @property
+    def trainer(self) -> pl.Trainer | None:
+        """The Trainer running this strategy; None under Fabric or before a run."""
+        return getattr(self.lightning_module, "_trainer", None)
 
     def configure_model_parallel(self) -> None:
         """Shard the model across ranks before the optimizers are built (no-op: pure data parallel)."""
@@ -382,7 +397,7 @@ class CommStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self.sync_buffers()
 
@@ -424,20 +439,26 @@ class CommStrategy(ParallelStrategy):
             for name, b in self.lightning_module.named_buffers():
                 if name in saved:
                     saved[name] = b.detach().clone()
-            checkpoint[STATE_KEY] = {
-                "strategy": type(self).__name__,
-                "world_size": self.world_size,
-                "state": _to_cpu(self.state_dict()),
-            }
-            if self.world_size == 1:  # one process: its state goes in the file itself
-                checkpoint[STATE_KEY]["rank"] = _to_cpu(self.rank_state_dict())
-            else:
-                shards = [shard_name(filepath, r, self.world_size) for r in range(self.world_size)]
-                mine = _beside(filepath, shards[self.global_rank])
-                self._write_shard(_to_cpu(self.rank_state_dict()), mine)
-                self._comm.barrier()
-                checkpoint[STATE_KEY]["shards"] = shards
+            checkpoint[STATE_KEY] = self.checkpoint_state(filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def checkpoint_state(self, filepath: Any) -> dict[str, Any]:
+        """Collective. The scheme's entry of the checkpoint ``filepath``: the state every rank shares,
+        and either this process's own state (one process) or the names of the ranks' shards, each
+        rank's written beside ``filepath`` before this returns (on every rank)."""
+        entry: dict[str, Any] = {
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "state": _to_cpu(self.state_dict()),
+        }
+        if self.world_size == 1:  # one process: its state goes in the file itself
+            entry["rank"] = _to_cpu(self.rank_state_dict())
+        else:
+            shards = [shard_name(filepath, r, self.world_size) for r in range(self.world_size)]
+            self._write_shard(_to_cpu(self.rank_state_dict()), _beside(filepath, shards[self.global_rank]))
+            self.comm.barrier()
+            entry["shards"] = shards
+        return entry
 
     def _write_shard(self, state: dict[str, Any], path: str) -> None:
         """Write a shard whole or not at all. A local file is streamed by ``torch.save`` to a
@@ -555,21 +576,35 @@ class CommStrategy(ParallelStrategy):
         def closure_then_exchange() -> Any:
             nonlocal runs
             result = closure()
-            # A precision plugin that scales the loss unscales here and, with every rank, decides
-            # whether the step runs: before the exchange, so an overflow never reaches a residual.
-            check = getattr(self.precision_plugin, "unscale_and_check", None)
-            runs = check(optimizer, self) if check is not None else True
-            if runs:
-                self._nonfinite_names = []
-                self.after_backward(optimizer)
-                if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
-                    runs = False
-                    for group in optimizer.param_groups:  # the optimizer steps over nothing
-                        for p in group["params"]:
-                            p.grad = None
+            runs = self.exchange_before_step(optimizer)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
+        self.end_step(optimizer, runs)
+        return output
+
+    # The two halves of a step around ``optimizer.step``, shared by the Trainer (above) and the Fabric
+    # front end (:class:`lightning_commstrats.fabric.FabricStrategy`), which calls them itself.
+
+    def exchange_before_step(self, optimizer: Optimizer) -> bool:
+        """This rank's gradients are complete: agree on whether the step runs and exchange. Returns
+        False when every rank skips the step (its gradients are then cleared)."""
+        # A precision plugin that scales the loss unscales here and, with every rank, decides
+        # whether the step runs: before the exchange, so an overflow never reaches a residual.
+        check = getattr(self.precision_plugin, "unscale_and_check", None)
+        runs = check(optimizer, self) if check is not None else True
+        if runs:
+            self._nonfinite_names = []
+            self.after_backward(optimizer)
+            if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
+                runs = False
+                for group in optimizer.param_groups:  # the optimizer steps over nothing
+                    for p in group["params"]:
+                        p.grad = None
+        return runs
+
+    def end_step(self, optimizer: Optimizer, runs: bool) -> None:
+        """After ``optimizer.step``: the weight schemes' exchange, counters, the replica check."""
         self.last_step_skipped = not runs
         if runs:
             self.after_optimizer_step(optimizer)
@@ -582,7 +617,6 @@ class CommStrategy(ParallelStrategy):
         if self.verify_sync_every and runs and self.optimizer_steps % self.verify_sync_every == 0:
             self.verify_replicas()
         self.comm_stats.mark_step()
-        return output
 
     def after_backward(self, optimizer: Optimizer) -> None:
         """Called once per optimizer step when this rank's gradients are complete (before clipping).

@@ -163,8 +163,8 @@ class BMUFStrategy(PeriodicSyncStrategy):
     def _warn_short_training_set(self) -> None:
         if self.sync_period_unit != "samples" or not self.block_momentum:
             return
-        trainer = self.lightning_module.trainer
-        loader = trainer.train_dataloader
+        trainer = self.trainer
+        loader = trainer.train_dataloader if trainer is not None else None
         dataset = getattr(loader, "dataset", None)
         try:
             n_samples = len(dataset)  # type: ignore[arg-type]

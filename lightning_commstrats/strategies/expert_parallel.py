@@ -235,7 +235,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
         ``"control"``), exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; the
         clip Lightning runs next then changes nothing (a rank's norm is at most the global one).
         """
-        trainer = self.lightning_module._trainer
+        trainer = self.trainer
         max_norm = trainer.gradient_clip_val if trainer is not None else None
         if not max_norm or (trainer.gradient_clip_algorithm or "norm") != "norm":
             return

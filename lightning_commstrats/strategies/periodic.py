@@ -32,7 +32,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -192,8 +191,8 @@ class PeriodicSyncStrategy(CommStrategy):
         return self._exchange
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
+    def setup_scheme(self) -> None:
+        super().setup_scheme()
         n = len(self.params)
         if self.num_fragments > n:
             raise ValueError(f"num_fragments={self.num_fragments} is larger than the model's {n} parameter tensors")
@@ -259,10 +258,10 @@ class PeriodicSyncStrategy(CommStrategy):
             self.all_reduce_fused([dense_grad(p) for p in trainable_params(optimizer)], tag="grad")
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.last_step_skipped:
-            return output
+    def end_step(self, optimizer: Optimizer, runs: bool) -> None:
+        super().end_step(optimizer, runs)
+        if not runs:
+            return
         if self.started:
             if self._inflight is not None and self.optimizer_steps >= self._inflight.apply_at:
                 self._apply()
@@ -273,7 +272,6 @@ class PeriodicSyncStrategy(CommStrategy):
                         self._apply()
         elif self._progress() >= self.parallelization_start:
             self._start()
-        return output
 
     @override
     def on_train_start(self) -> None:

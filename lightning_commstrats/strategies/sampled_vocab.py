@@ -6,7 +6,6 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -130,11 +129,11 @@ class SampledVocabStrategy(AllReduceStrategy):
     # ------------------------------------------------------------------ set-up
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        self._find_vocabulary(trainer)
+    def setup_scheme(self) -> None:
+        super().setup_scheme()
+        self._find_vocabulary()
 
-    def _find_vocabulary(self, trainer: pl.Trainer) -> None:
+    def _find_vocabulary(self) -> None:
         module = self.lightning_module
         named = dict(module.named_parameters())
         if self.vocab_param_names is not None:
@@ -159,11 +158,13 @@ class SampledVocabStrategy(AllReduceStrategy):
         alpha = resolve_count(self.alpha, v, "alpha")
         self._beta = resolve_count(self.beta, v, "beta")
         counts = self.word_counts
-        if counts is None and trainer.datamodule is not None:
+        trainer = self.trainer
+        if counts is None and trainer is not None and trainer.datamodule is not None:
             counts = getattr(trainer.datamodule, "word_counts", None)
         if alpha and counts is None:
             raise ValueError(
-                "alpha > 0 needs word frequencies: pass word_counts=... or use a DataModule with word_counts"
+                "alpha > 0 needs word frequencies: pass word_counts=... or (with the Trainer) use a DataModule"
+                " with word_counts"
             )
         counts_t = torch.as_tensor(counts if counts is not None else [0] * v, dtype=torch.float64)
         if counts_t.numel() != v:
