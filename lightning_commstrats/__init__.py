@@ -8,7 +8,8 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="allreduce")
 
 and with Fabric's ``STRATEGY_REGISTRY`` (``L.Fabric(strategy="bmuf")``, see
-:mod:`lightning_commstrats.fabric`), and exports the mixed-precision plugin ``LayeredMixedPrecision`` (``plugins=[...]``).
+:mod:`lightning_commstrats.fabric`), and exports the mixed-precision plugin
+``LayeredMixedPrecision`` (``plugins=[...]``).
 """
 
 from lightning_commstrats._registry import register_strategies

@@ -160,9 +160,8 @@ class FabricStrategy(ParallelStrategy):
             elif isinstance(self.accelerator, CPUAccelerator):
                 scheme.accelerator = pl_accelerators.CPUAccelerator()
             else:
-                raise ValueError(
-                    f"{type(scheme).__name__} runs on accelerator='cpu' or 'cuda', got {type(self.accelerator).__name__}"
-                )
+                got = type(self.accelerator).__name__
+                raise ValueError(f"{type(scheme).__name__} runs on accelerator='cpu' or 'cuda', got {got}")
         scheme.parallel_devices = self.parallel_devices
         scheme.cluster_environment = self.cluster_environment
         scheme.num_nodes = self.num_nodes
@@ -426,4 +425,3 @@ def register_fabric_strategies(registry: Any = None) -> list[str]:
         registry.register(name, FabricStrategy, description=description, scheme=name)
         added.append(name)
     return added
-

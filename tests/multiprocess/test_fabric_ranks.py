@@ -12,7 +12,8 @@ pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).parent / "fabric_worker.py"
 N_PARAMS = 32 * 16 + 16 + 16 * 2 + 2
 BMUF = {"strategy": "bmuf", "kwargs": {"sync_period": 4, "sync_period_unit": "steps"}}
-# two fp32 steps (8 samples over both ranks each, counted at the batch), then 1 bit for the two matrices (the biases stay fp32)
+# two fp32 steps (8 samples over both ranks each, counted at the batch), then 1 bit for the two
+# matrices (the biases stay fp32)
 ONEBIT = {"strategy": "onebit_sgd", "kwargs": {"distributed_after": 24, "small_tensor_numel": 16}}
 SCHEME_TAGS = ("setup", "grad", "weights")
 
