@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml $(TORCH_STAMP)
 install: $(STAMP)
 
 demo: install
-	$(PY) recipes/train_lm.py fit --config recipes/configs/lstm_demo.yaml
+	$(PY) recipes/train_lm.py fit --config lstm_demo
 
 # pytest exits 5 when it collected nothing: a misconfigured suite, reported as a failure.
 test: install

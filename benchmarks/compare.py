@@ -933,7 +933,7 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=4, help="steps between validations")
     parser.add_argument("--val-batches", type=int, default=8, help="validation batches per rank")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--config", default=str(REPO / "recipes" / "configs" / "lstm_demo.yaml"))
+    parser.add_argument("--config", default=str(REPO / "lightning_commstrats" / "configs" / "lstm_demo.yaml"))
     parser.add_argument("--only", nargs="*", help="entry keys or labels to run (default: all)")
     parser.add_argument("--table-only", action="store_true", help="rebuild the tables from the runs in --out")
     parser.add_argument("--timeout", type=float, help="seconds per job (default 3 x budget + 300)")
@@ -941,7 +941,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="extra recipe arguments after --")
     args = parser.parse_args()
     if args.quick:
-        args.config = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
+        args.config = str(REPO / "lightning_commstrats" / "configs" / "lstm_tiny.yaml")
         args.loopback = True
         args.ranks, args.val_every, args.val_batches, args.batch_size, args.rates = 2, 4, 2, 8, [100.0]
     args.target_source = "given" if args.target_ppl else "quick" if args.quick else "standard"
@@ -952,7 +952,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.scaling:
-        args.config = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
+        args.config = str(REPO / "lightning_commstrats" / "configs" / "lstm_tiny.yaml")
         args.max_steps, args.val_every, args.val_batches, args.batch_size = 5, 5, 1, 8
         scaling(args)
         return

@@ -5,7 +5,7 @@ validation perplexity (CSV logger), every rank's communication figures (``CommSt
 the wall time, and prints one table with ratios against the first strategy. Results go to
 ``<out>/results.json`` and ``<out>/results.md``.
 
-    python benchmarks/lm_compare.py --config recipes/configs/lstm_demo.yaml --devices 2 \\
+    python benchmarks/lm_compare.py --config lstm_demo --devices 2 \\
         --strategies allreduce onebit_sgd:distributed_after=2560 --out benchmarks/results/onebit
 
 A strategy is ``name[:key=value,...]`` with a registered name; values are parsed as JSON when
@@ -143,7 +143,7 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "recipes" / "configs" / "lstm_demo.yaml"))
+    parser.add_argument("--config", default=str(REPO / "lightning_commstrats" / "configs" / "lstm_demo.yaml"))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=["allreduce", "onebit_sgd"])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "lm_compare"))

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rate", type=float, default=1000.0, help="Mbit/s inside a group; uplinks get 3/16")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--config", default=str(REPO / "recipes" / "configs" / "moe_demo.yaml"))
+    parser.add_argument("--config", default=str(REPO / "lightning_commstrats" / "configs" / "moe_demo.yaml"))
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "moe_layout"))
     args = parser.parse_args()

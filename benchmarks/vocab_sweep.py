@@ -19,7 +19,7 @@ from lm_compare import REPO, run
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "recipes" / "configs" / "lstm_demo.yaml"))
+    parser.add_argument("--config", default=str(REPO / "lightning_commstrats" / "configs" / "lstm_demo.yaml"))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--vocab", type=int, nargs="+", default=[2000, 10000, 60000], help="max_vocab_size values")
     parser.add_argument("--alpha", type=float, default=2000)

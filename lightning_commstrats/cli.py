@@ -1,16 +1,45 @@
-"""The language-model training CLI (``commstrats-lm``, or ``python recipes/train_lm.py``).
+"""commstrats-lm: train a language model with any strategy of lightning-commstrats.
 
-A LightningCLI over :class:`~lightning_commstrats.models.LanguageModel` and
-:class:`~lightning_commstrats.data.LMDataModule`: subcommands ``fit``, ``validate``, ``test``;
-``--config recipes/configs/<file>.yaml``, ``--print_config``, dotted overrides such as
-``--trainer.strategy=allreduce --trainer.devices=2``. Every strategy of the package is available
-by name. After ``fit``, ``validate`` and ``test`` it prints the perplexity next to the unigram
-baseline's (add ``lightning_commstrats.CommStatsMonitor`` to the callbacks for communication figures)
-and, with ``LayeredMixedPrecision`` among the plugins, its preset and the steps it skipped.
+A LightningCLI over lightning_commstrats.models.LanguageModel (LSTM, feed-forward
+n-gram or decoder-only Transformer, optionally mixture of experts) and
+lightning_commstrats.data.LMDataModule (by default the Brown corpus shipped in
+the package). Every strategy of the package is available by name.
+
+  commstrats-lm fit --config lstm_demo
+  commstrats-lm fit --config lstm_demo --trainer.strategy=bmuf --trainer.devices=4
+  commstrats-lm test --config lstm_demo --ckpt_path <checkpoint>
+  mpiexec -n 2 commstrats-lm fit --config lstm_tiny --trainer.devices=2
+  commstrats-lm fit --config moe_demo --trainer.strategy.init_args.inner=ep
+  commstrats-lm fit --config moe_tiny --model.balance=swipe
+  commstrats-lm fit --config lstm_tiny --print_config > my.yaml
+  commstrats-lm fit --config my.yaml --trainer.max_steps=100
+  commstrats-lm fit --help
+
+--config takes a file or the name of a config shipped with the package (listed
+under --config below); an existing file of that name wins. fit --help lists
+every argument with its documentation. After fit, validate and test it prints
+the perplexity next to the unigram baseline's; add CommStatsMonitor
+(lightning_commstrats.CommStatsMonitor) to the callbacks for communication
+figures. With LayeredMixedPrecision among the plugins it prints the preset and
+the steps skipped for overflow.
+
+Mixture of experts: --model.num_experts experts in every --model.moe_every-th
+Transformer block (--model.top_k, --model.capacity_factor, --model.balance:
+aux, capacity or swipe), trained with the expert_parallel strategy (ep_size x
+dp_size ranks; inner: dp or ep). Every step logs moe/max_load, moe/mean_load,
+moe/balance (max / mean tokens per expert), moe/dropped and moe/aux_loss;
+CommStatsMonitor adds comm/tokens_bytes, the all-to-all payload.
 """
 
 from __future__ import annotations
 
+import re
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch
+from jsonargparse import ActionConfigFile, DefaultHelpFormatter
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -19,6 +48,84 @@ import lightning_commstrats  # noqa: F401 - registers the strategy names
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.precision import LayeredMixedPrecision
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+# A --config value that could name a file; anything else (inline YAML, a URL) goes to jsonargparse as it is.
+_FILE_LIKE = re.compile(r"[\w./-]+")
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped in the package, ``lightning_commstrats/configs/<name>.yaml``."""
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
+
+
+def resolve_config(value: str) -> str:
+    """The file a ``--config`` value stands for: an existing path as given, else the packaged config of
+    that name (``lstm_demo`` or ``lstm_demo.yaml``). Inline YAML is returned unchanged.
+
+    Raises:
+        ValueError: if ``value`` is neither an existing file nor a packaged config's name; the message
+            lists the packaged names.
+    """
+    if Path(value).exists() or not _FILE_LIKE.fullmatch(value):
+        return value
+    name = value.removesuffix(".yaml")
+    names = packaged_configs()
+    if name in names:
+        return str(CONFIG_DIR / f"{name}.yaml")
+    raise ValueError(f"no file {value!r} and no packaged config of that name; packaged configs: {', '.join(names)}")
+
+
+class ConfigFileOrName(ActionConfigFile):
+    """``--config``: a YAML file, or the name of a packaged config; may be given several times."""
+
+    def __call__(self, parser, cfg, values, option_string=None) -> None:
+        try:
+            values = resolve_config(values)
+        except ValueError as err:
+            # jsonargparse reports a TypeError from a config action as a usage error (exit code 2)
+            raise TypeError(f"{option_string}: {err}") from None
+        super().__call__(parser, cfg, values, option_string)
+
+
+def _plain(text: str) -> str:
+    """Inline reST of docstrings (ours, Lightning's, torch's) as plain text for the terminal:
+    ``code`` and :role:`~a.b.Name` become code and Name, `label <url>`_ becomes label (url)."""
+    text = re.sub(r":[\w:]+:`~[\w.]*?(\w+)`", r"\1", text)
+    text = re.sub(r":[\w:]+:`([^`<]*?)(?: <[^>]*>)?`", r"\1", text)
+    text = re.sub(r"`([^`<]+?) <([^>]+)>`__?", r"\1 (\2)", text)
+    return re.sub(r"``(.+?)``", r"\1", text, flags=re.DOTALL)
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """Keeps indented blocks of a description (example commands) as written, and prints argument help
+    without reST markup."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        blocks = re.split(r"\n\s*\n", text.strip("\n"))
+        filled = [
+            textwrap.indent(block, indent)
+            if block.startswith(" ")
+            else textwrap.fill(
+                " ".join(block.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+            )
+            for block in blocks
+        ]
+        return "\n\n".join(filled)
+
+    def _expand_help(self, action: Any) -> str:
+        return _plain(super()._expand_help(action))
+
+    def start_section(self, heading: str | None) -> None:
+        super().start_section(_plain(heading) if heading else heading)
+
+
+class LMArgumentParser(LightningArgumentParser):
+    """The parser with :class:`HelpFormatter`; jsonargparse builds the parsers of ``--*.help CLASS``
+    from the type of this one, so they get the formatter too."""
+
+    def __init__(self, *args: Any, formatter_class: type = HelpFormatter, **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 class SaveConfigToRunFolder(SaveConfigCallback):
@@ -31,6 +138,20 @@ class SaveConfigToRunFolder(SaveConfigCallback):
 
 
 class LMCLI(LightningCLI):
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # Lightning's own init_parser adds a plain --config; this one also takes packaged names.
+        kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning.pytorch.__version__}"])
+        parser = self.parser_class(**kwargs)
+        parser.add_argument(
+            "-c",
+            "--config",
+            action=ConfigFileOrName,
+            help="A YAML file, or the name of a config shipped with the package: "
+            + ", ".join(packaged_configs())
+            + ". Given several times, later ones override earlier ones.",
+        )
+        return parser
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.order", "model.order")
@@ -69,7 +190,8 @@ def main(args: list[str] | None = None) -> LMCLI:
         seed_everything_default=0,
         save_config_callback=SaveConfigToRunFolder,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": __doc__},
+        parser_kwargs={"description": __doc__},  # plain text: --help prints it
+        parser_class=LMArgumentParser,
     )
 
 

@@ -1,13 +1,16 @@
 """Train a word-level language model on the Brown corpus with any strategy of the package.
 
-    python recipes/train_lm.py fit --config recipes/configs/lstm_demo.yaml
-    python recipes/train_lm.py fit --config recipes/configs/lstm_demo.yaml --trainer.devices=4
-    python recipes/train_lm.py test --config recipes/configs/lstm_demo.yaml --ckpt_path <checkpoint>
-    mpiexec -n 2 python recipes/train_lm.py fit --config recipes/configs/lstm_tiny.yaml --trainer.strategy=allreduce
+    python recipes/train_lm.py fit --config lstm_demo
+    python recipes/train_lm.py fit --config lstm_demo --trainer.devices=4
+    python recipes/train_lm.py test --config lstm_demo --ckpt_path <checkpoint>
+    python recipes/train_lm.py fit --config moe_demo --trainer.strategy.init_args.inner=ep
+    mpiexec -n 2 python recipes/train_lm.py fit --config lstm_tiny --trainer.strategy=allreduce
 
-The same program is installed as the console script ``commstrats-lm``. The model is
-:class:`lightning_commstrats.models.LanguageModel`, the data :class:`lightning_commstrats.data.LMDataModule`
-(``--help`` lists every argument; ``--print_config`` prints a complete config).
+The same program is installed as the console script ``commstrats-lm``: ``--config`` takes a YAML
+file or the name of a config in ``lightning_commstrats/configs/``. The model is
+:class:`lightning_commstrats.models.LanguageModel` (LSTM, feed-forward n-gram, Transformer, or a
+mixture-of-experts Transformer), the data :class:`lightning_commstrats.data.LMDataModule`
+(``--help`` lists every argument and the packaged configs; ``--print_config`` prints a complete config).
 """
 
 from lightning_commstrats.cli import main

@@ -106,7 +106,7 @@ def test_the_recipe_refuses_a_bad_setting_before_training(tmp_path):
 
     from lightning_commstrats.cli import main
 
-    tiny = str(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "lstm_tiny.yaml")
+    tiny = str(Path(__file__).resolve().parents[1] / "lightning_commstrats" / "configs" / "lstm_tiny.yaml")
     with pytest.raises((ValueError, SystemExit)):
         main(["fit", "--config", tiny, "--data.seq_len=0", f"--trainer.default_root_dir={tmp_path}"])
     with pytest.raises((ValueError, SystemExit)):

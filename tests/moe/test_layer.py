@@ -106,7 +106,7 @@ def test_bad_layer_options(kwargs, message):
 
 def test_moe_shared_config_has_the_active_size_of_its_dense_twin():
     """moe_shared.yaml is compared with the same config at num_experts=0: equal hidden units per token."""
-    config = yaml.safe_load((REPO / "recipes" / "configs" / "moe_shared.yaml").read_text())["model"]
+    config = yaml.safe_load((REPO / "lightning_commstrats" / "configs" / "moe_shared.yaml").read_text())["model"]
     model = LanguageModel(**{**config, "vocab_size": 50, "max_seq_len": 8})
     layers = model.net.moe_layers()
     assert len(layers) == config["num_layers"] and layers[0].shared is not None

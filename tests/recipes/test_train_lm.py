@@ -10,18 +10,17 @@ import pytest
 import torch
 
 from lightning_commstrats import LayeredMixedPrecision
-from lightning_commstrats.cli import main
+from lightning_commstrats.cli import CONFIG_DIR, main
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
-TINY = str(REPO / "recipes" / "configs" / "lstm_tiny.yaml")
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+TINY = "lstm_tiny"  # a packaged config, by name
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses_and_opens_with_its_command(config, capsys):
     first = config.read_text().splitlines()[0]
-    script = "train_moe.py" if config.name.startswith("moe_") else "train_lm.py"
-    assert first == f"# python recipes/{script} fit --config recipes/configs/{config.name}"
+    assert first == f"# commstrats-lm fit --config {config.stem}"
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code == 0
@@ -29,7 +28,7 @@ def test_every_config_parses_and_opens_with_its_command(config, capsys):
 
 
 def test_tiny_moe_fit_logs_routing_metrics():
-    cli = main(["fit", "--config", str(REPO / "recipes" / "configs" / "moe_tiny.yaml"), "--model.balance=swipe"])
+    cli = main(["fit", "--config", "moe_tiny", "--model.balance=swipe"])
     metrics = cli.trainer.callback_metrics
     assert torch.isfinite(metrics["val/ppl"])
     assert float(metrics["moe/balance"]) == 1.0 and float(metrics["moe/dropped"]) == 0.0  # SWIPE: exact shares
@@ -55,7 +54,7 @@ def test_tiny_fit_then_test_one_rank(overrides):
 
 
 def test_layered_config_selects_the_plugin_and_the_preset_by_name(caplog):
-    config = str(REPO / "recipes" / "configs" / "transformer_layered.yaml")
+    config = "transformer_layered"
     small = ["--trainer.devices=1", "--trainer.max_steps=3", "--trainer.limit_val_batches=2", "--data.batch_size=4"]
     small += ["--trainer.val_check_interval=3"]
     model = ["--model.hidden_dim=16", "--model.ffn_dim=32", "--model.num_heads=2", "--data.max_vocab_size=500"]
@@ -102,7 +101,7 @@ def test_tiny_fit_two_ranks_through_the_script():
 
 @pytest.mark.slow
 def test_demo_lstm_one_epoch_one_rank_beats_the_unigram_model_by_30_percent():
-    demo = str(REPO / "recipes" / "configs" / "lstm_demo.yaml")
+    demo = "lstm_demo"
     cli = main(["fit", "--config", demo, "--trainer.devices=1", "--trainer.enable_progress_bar=false"])
     ppl = float(cli.trainer.callback_metrics["val/ppl"])
     unigram = cli.datamodule.unigram_perplexity("valid")
