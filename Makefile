@@ -1,6 +1,6 @@
 # `make demo` and `make test` work on a fresh clone: they create .venv, install torch pinned first
 # (override for a CUDA build: `make test TORCH="torch==2.13.0 --index-url <your index>"`), then
-# the package with its test extras.
+# the package with its test and MPI extras.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -20,7 +20,7 @@ $(TORCH_STAMP): | $(PY)
 	touch $@
 
 $(STAMP): pyproject.toml $(TORCH_STAMP)
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test,mpi]"
 	touch $@
 
 install: $(STAMP)

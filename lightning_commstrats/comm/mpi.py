@@ -2,7 +2,7 @@
 
 Buffers are the tensors themselves: a CPU tensor is handed to MPI through ``Tensor.numpy()``, which
 shares its memory, so nothing is copied through Python objects. CUDA tensors are staged through a
-host copy (the ``mpich`` wheel the package installs is not CUDA-aware); bfloat16, which numpy
+host copy (the ``mpich`` wheel of the ``[mpi]`` extra is not CUDA-aware); bfloat16, which numpy
 lacks, travels as its 16-bit pattern in moves and as float32 in reductions (4 bytes an element on
 the wire, and charged so).
 """
@@ -27,8 +27,8 @@ def import_mpi() -> Any:
     """Return ``mpi4py.MPI``, or raise an error that says how to install it."""
     if not MPI4PY_AVAILABLE:
         raise ModuleNotFoundError(
-            f"{MPI4PY_AVAILABLE}. The MPI backend needs mpi4py and an MPI runtime:"
-            " `pip install mpi4py mpich` (or install mpi4py against your cluster's MPI)."
+            f"{MPI4PY_AVAILABLE}. The MPI backend needs mpi4py and an MPI runtime: `pip install"
+            ' "lightning-commstrats[mpi]"` (mpi4py and the mpich wheel), or mpi4py built against your cluster\'s MPI.'
         )
     try:
         from mpi4py import MPI

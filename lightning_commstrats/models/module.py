@@ -175,18 +175,6 @@ class LanguageModel(L.LightningModule):
     def forward(self, tokens: Tensor) -> Tensor:
         return self.net(tokens)
 
-    def setup(self, stage: str) -> None:
-        # Under this package's strategies the metric states travel through the communication layer
-        # (counted, and working over MPI too); elsewhere torchmetrics uses torch.distributed.
-        strategy = self.trainer.strategy
-        if hasattr(strategy, "comm") and hasattr(strategy, "comm_stats"):
-            for metric in (self.val_ppl, self.test_ppl):
-                metric.dist_sync_fn = self._gather_metric_state
-                metric.distributed_available_fn = lambda: self.trainer.world_size > 1
-
-    def _gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
-        return list(self.trainer.strategy.comm.all_gather(tensor.contiguous(), tag="metrics").unbind(0))
-
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = lm_loss(self(x), y)

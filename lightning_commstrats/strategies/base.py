@@ -42,10 +42,18 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, unflatten_into
-from lightning_commstrats.comm import BACKENDS, CommStats, Communicator, create_communicator, resolve_backend
+from lightning_commstrats.comm import (
+    BACKENDS,
+    CommStats,
+    Communicator,
+    create_communicator,
+    import_mpi,
+    resolve_backend,
+)
 from lightning_commstrats.compression.exchange import BucketedAllReduce
 
 log = logging.getLogger(__name__)
@@ -120,6 +128,8 @@ class CommStrategy(ParallelStrategy):
             raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {timeout!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
+        if backend == "mpi":
+            import_mpi()  # without the [mpi] extra: an install hint now, not at the first collective
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not supported; choose one of {START_METHODS}")
         if not bucket_cap_mb > 0:
@@ -310,7 +320,34 @@ class CommStrategy(ParallelStrategy):
 
     def setup_scheme(self) -> None:
         """The model is on its device with rank 0's weights: build the scheme's own structures (both
-        front ends, the Trainer and Fabric, call it once per run)."""
+        front ends, the Trainer and Fabric, call it once per run). The base routes the model's
+        torchmetrics metrics through the communicator."""
+        self.route_metrics()
+
+    def route_metrics(self) -> None:
+        """Make the model's torchmetrics metrics synchronise through this strategy's communicator
+        (tag ``"metrics"``, counted): under ``backend="mpi"`` torch.distributed is not initialised and
+        torchmetrics would otherwise compute each rank's own value without a word. A metric that
+        already has a ``dist_sync_fn`` of its own keeps it."""
+        module = self.lightning_module
+        if module is None:
+            return
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.dist_sync_fn is None:
+                metric.dist_sync_fn = self._gather_metric_state
+                metric.distributed_available_fn = self._metrics_distributed
+
+    def _metrics_distributed(self) -> bool:
+        return self._comm is not None and self.world_size > 1
+
+    def _gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+        """torchmetrics' ``dist_sync_fn``: every rank's ``tensor`` (first dimensions may differ)."""
+        if group is not None:
+            raise ValueError(f"{type(self).__name__} synchronises metrics over all ranks only, got group={group!r}")
+        tensor = tensor.contiguous()
+        if tensor.dim() == 0:
+            return list(self.comm.all_gather(tensor.reshape(1), tag="metrics").reshape(-1).unbind(0))
+        return self.comm.all_gather_uneven(tensor, tag="metrics")
 
     @property
     def trainer(self) -> pl.Trainer | None:

@@ -47,7 +47,8 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     ) -> None:
         if not MPI4PY_AVAILABLE:
             raise ModuleNotFoundError(
-                f"local_sgd needs mpi4py and an MPI runtime: `pip install mpi4py mpich` ({MPI4PY_AVAILABLE})"
+                'local_sgd needs mpi4py and an MPI runtime: `pip install "lightning-commstrats[mpi]"`'
+                f" (or mpi4py built against your cluster's MPI); {MPI4PY_AVAILABLE}"
             )
         import_mpi()  # fails now, with the reason, when mpi4py cannot load an MPI library
         backend = kwargs.pop("backend", "mpi")

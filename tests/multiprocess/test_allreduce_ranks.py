@@ -87,4 +87,16 @@ def test_under_mpiexec_equal_ddp_over_mpi_and_gloo():
     _check(results, "ar_mpi")
     _check(results, "ar_gloo")
     assert "MPICommunicator" in results[0]["ar_mpi"]["comm"]
+    # torchmetrics under MPI (torch.distributed not initialised): the perplexity metric synchronises
+    # through the communicator, the same value on both ranks as torchmetrics' own sync under ddp
+    lm = {"model": "lm", "validate_after": True, "max_steps": 4, "val_every": 16}  # no validation during fit
+    metric_scenarios = {  # MPI first: after ddp, torch.distributed would stay initialised in these processes
+        "ar_mpi": {"strategy": "allreduce", "kwargs": {"backend": "mpi"}, **lm},
+        "ddp": {"strategy": "ddp", **lm},
+    }
+    lm_results = run_ranks({"scenarios": metric_scenarios}, 2, launcher="mpiexec")
+    mpi, ddp = [[res[name]["validated_metrics"]["val/ppl"] for res in lm_results] for name in metric_scenarios]
+    assert mpi[0] == mpi[1]
+    assert mpi == pytest.approx(ddp, rel=1e-5)
+    assert lm_results[0]["ar_mpi"]["stats"]["metrics/bytes_sent"] > 0
     assert results[1]["ar_mpi"]["stats"]["grad/bytes_sent"] == 8 * ring_bytes(N_PARAMS, 4, 2)

@@ -22,7 +22,7 @@ average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, ot
 ``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
 ``save_memory``: after fit, save ``OUT_DIR/<scenario>.ckpt`` and keep how far resident memory rose.
 ``validate_ckpt`` (``[scenario, step]``: validate that checkpoint instead of training), ``validate_after``
-(validate once fit ends); both keep ``val/loss``.
+(validate once fit ends); both keep ``val/loss`` (and ``validated_metrics``, all that validate returned).
 """
 
 from __future__ import annotations
@@ -370,13 +370,15 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         plugins=plugins,
     )
     val_loss = None
+    validated: dict[str, float] = {}
     if sc.get("validate_ckpt"):  # evaluate a checkpoint of an earlier scenario instead of training
         source, step = sc["validate_ckpt"]
         val_loss = trainer.validate(model, ckpt_path=out / source / f"step={step}.ckpt", verbose=False)[0]["val/loss"]
     else:
         trainer.fit(model, ckpt_path=ckpt_path)
         if sc.get("validate_after"):
-            val_loss = trainer.validate(model, verbose=False)[0]["val/loss"]
+            validated = trainer.validate(model, verbose=False)[0]
+            val_loss = validated["val/loss"]
     result: dict[str, Any] = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": model.losses,
@@ -389,6 +391,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "exchanges": exchanges,
         "buffers_before_end": at_end.buffers,
         "val_loss": val_loss,
+        "validated_metrics": {k: float(v) for k, v in validated.items()},
         "heartbeats": sum(t.name == "commstrats-heartbeat" for t in threading.enumerate()),
     }
     if sc.get("ckpt_every") and not sc.get("validate_ckpt") and not sc.get("ckpt_dir"):

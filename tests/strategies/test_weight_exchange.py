@@ -1,5 +1,7 @@
 """`bmuf`, `model_averaging`, `local_sgd` in one process: construction errors and defaults."""
 
+import re
+
 import pytest
 
 import lightning_commstrats.strategies.local_sgd as local_sgd_module
@@ -42,7 +44,7 @@ def test_block_momentum_defaults_and_time_constant():
 
 def test_local_sgd_without_mpi4py_says_how_to_install(monkeypatch):
     monkeypatch.setattr(local_sgd_module, "MPI4PY_AVAILABLE", False)
-    with pytest.raises(ModuleNotFoundError, match="pip install mpi4py mpich"):
+    with pytest.raises(ModuleNotFoundError, match=re.escape('pip install "lightning-commstrats[mpi]"')):
         LocalSGDStrategy()
 
 
