@@ -9,7 +9,7 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' '
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all lint format bench bench-quick clean
+.PHONY: install demo test test-all smoke-lowest lint format bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,20 @@ test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
+# The lowest supported Lightning (pyproject's bound), without the [mpi] extra, in its own virtual
+# environment: a short subset of the suite (CI runs it after `make test`; a few minutes).
+LOWEST_LIGHTNING ?= 2.6.0
+LOW_VENV ?= .venv-lowest
+SMOKE_TESTS ?= tests/test_install.py tests/test_fabric.py tests/strategies tests/test_bad_configuration.py \
+	tests/test_cli.py tests/recipes/test_train_lm.py tests/multiprocess/test_allreduce_ranks.py \
+	tests/multiprocess/test_fabric_ranks.py tests/multiprocess/test_checkpoint_ranks.py
+smoke-lowest:
+	$(PYTHON) -m venv $(LOW_VENV)
+	$(LOW_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOW_VENV)/bin/python -m pip install $(TORCH)
+	$(LOW_VENV)/bin/python -m pip install -e ".[test]" "lightning==$(LOWEST_LIGHTNING)"
+	COMMSTRATS_EXPECT_LIGHTNING=$(LOWEST_LIGHTNING) $(LOW_VENV)/bin/python -m pytest -m "not slow" $(SMOKE_TESTS)
+
 # The standard race on an emulated cluster at 100 and 1000 Mbit/s, two seeds (network namespaces;
 # needs root, else loopback), then ring all-reduce bytes for 2, 4 and 8 ranks. Hours on 2 cores.
 bench: install
@@ -58,4 +72,4 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs
+	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .ruff_cache lightning_logs

@@ -298,11 +298,11 @@ class FabricStrategy(ParallelStrategy):
 
     @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"):
-        return self.scheme.reduce(tensor, group=group, reduce_op=reduce_op)
+        return self.scheme.reduce(tensor, group=_world_or(group), reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return self.scheme.all_gather(tensor, group=group, sync_grads=sync_grads)
+        return self.scheme.all_gather(tensor, group=_world_or(group), sync_grads=sync_grads)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -391,6 +391,11 @@ class FabricStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_fabric_strategies(strategy_registry)
+
+
+def _world_or(group: Any) -> Any:
+    """None for the world group (Fabric names it ``torch.distributed.group.WORLD``), else ``group``."""
+    return None if group is None or group is torch.distributed.group.WORLD else group
 
 
 def scheme_class(name: str) -> type[CommStrategy]:

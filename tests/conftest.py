@@ -11,3 +11,19 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without the ``[mpi]`` extra (mpi4py and an MPI runtime), the tests that need MPI are skipped
+    with the reason: those under ``mpiexec`` (``mpi``), those that build an MPI strategy (``mpi4py``,
+    or a ``LocalSGDStrategy`` among their parameters)."""
+    from lightning_commstrats import LocalSGDStrategy
+    from lightning_commstrats.comm import MPI4PY_AVAILABLE
+
+    if MPI4PY_AVAILABLE:
+        return
+    skip = pytest.mark.skip(reason="needs mpi4py and an MPI runtime (the [mpi] extra), not installed here")
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.get_closest_marker("mpi") or item.get_closest_marker("mpi4py") or LocalSGDStrategy in params.values():
+            item.add_marker(skip)

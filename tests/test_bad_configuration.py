@@ -25,6 +25,8 @@ from lightning_commstrats.models import LanguageModel
 CASES = [
     # every strategy's shared arguments
     (AllReduceStrategy, {"backend": "tcp"}, ValueError, r"backend='tcp' is not supported; choose one of"),
+    (AllReduceStrategy, {"process_group_backend": "tcp"}, ValueError, r"backend='tcp' is not supported; choose one of"),
+    (AllReduceStrategy, {"backend": "gloo", "process_group_backend": "nccl"}, ValueError, "backend='gloo' and process_group_backend='nccl' disagree"),
     (AllReduceStrategy, {"timeout": -1}, ValueError, "timeout must be a positive timedelta or number of seconds"),
     (AllReduceStrategy, {"timeout": "5m"}, ValueError, "timeout must be a positive timedelta or number of seconds"),
     (AllReduceStrategy, {"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
@@ -112,3 +114,8 @@ def test_the_recipe_refuses_a_bad_setting_before_training(tmp_path):
     with pytest.raises((ValueError, SystemExit)):
         main(["fit", "--config", tiny, "--trainer.strategy=no_such_scheme", f"--trainer.default_root_dir={tmp_path}"])
     assert not any(tmp_path.iterdir())
+
+
+def test_process_group_backend_is_backend_under_lightning_ddp_name():
+    assert AllReduceStrategy(process_group_backend="gloo").backend == "gloo"
+    assert BMUFStrategy(backend="gloo", process_group_backend="gloo").backend == "gloo"

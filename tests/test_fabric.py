@@ -1,5 +1,7 @@
 """The Fabric front end in one process: names, instances, bad input, a run and a checkpoint."""
 
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -8,12 +10,17 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from torch import nn
 
 import lightning_commstrats
-from lightning_commstrats import BMUFStrategy, FabricStrategy, OneBitSGDStrategy
+from lightning_commstrats import BMUFStrategy, FabricStrategy, LocalSGDStrategy, OneBitSGDStrategy
+from lightning_commstrats.comm import MPI4PY_AVAILABLE
 from lightning_commstrats.strategies import STRATEGIES
 
 
 def test_every_scheme_is_a_fabric_strategy_name():
     for cls in STRATEGIES:
+        if cls is LocalSGDStrategy and not MPI4PY_AVAILABLE:
+            with pytest.raises(ModuleNotFoundError, match=re.escape('pip install "lightning-commstrats[mpi]"')):
+                L.Fabric(accelerator="cpu", devices=1, strategy=cls.strategy_name)
+            continue
         fabric = L.Fabric(accelerator="cpu", devices=1, strategy=cls.strategy_name)
         assert isinstance(fabric.strategy, FabricStrategy)
         assert type(fabric.strategy.scheme) is cls

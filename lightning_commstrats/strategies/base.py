@@ -94,6 +94,7 @@ class CommStrategy(ParallelStrategy):
             float64 moments per tensor, one small all-gather. 0 (default) never checks.
         verify_sync_action: ``"raise"`` (default: ``RuntimeError`` naming the tensors and ranks, on
             every rank at once) or ``"warn"`` when the replicas disagree.
+        process_group_backend: another name of ``backend``, as Lightning's ``DDPStrategy`` calls it.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -110,6 +111,7 @@ class CommStrategy(ParallelStrategy):
         nonfinite: str = "raise",
         verify_sync_every: int = 0,
         verify_sync_action: str = "raise",
+        process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -126,6 +128,12 @@ class CommStrategy(ParallelStrategy):
             timeout = timedelta(seconds=timeout)
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {timeout!r}")
+        if process_group_backend is not None:  # the name Lightning's DDPStrategy uses
+            if backend not in ("auto", process_group_backend):
+                raise ValueError(
+                    f"backend={backend!r} and process_group_backend={process_group_backend!r} disagree; give one"
+                )
+            backend = process_group_backend
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
         if backend == "mpi":

@@ -134,6 +134,7 @@ def test_devices_must_match_the_launched_ranks(monkeypatch):
         _trainer(strategy="allreduce", devices=4)
 
 
+@pytest.mark.mpi4py
 def test_mpi_backend_without_mpiexec_is_refused():
     with pytest.raises(RuntimeError, match="backend='mpi' with devices=2 needs its ranks started by MPI"):
         _trainer(strategy=AllReduceStrategy(backend="mpi"), devices=2)

@@ -48,6 +48,7 @@ def test_local_sgd_without_mpi4py_says_how_to_install(monkeypatch):
         LocalSGDStrategy()
 
 
+@pytest.mark.mpi4py
 def test_local_sgd_with_two_devices_without_mpiexec_is_refused():
     import lightning as L
 
