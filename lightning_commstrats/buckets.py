@@ -2,12 +2,14 @@
 
 Pure tensor code. A bucket holds tensors of one dtype and device, in the order given, up to a size
 cap; the order is the parameters' registration order, identical on every rank, so every rank
-builds the same buckets without talking.
+builds the same buckets without talking. :class:`FlatBuffers` keeps the flat buffers of a plan
+from one call to the next, so that a step allocates nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,3 +51,55 @@ def unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
         offset += n
     if offset != flat.numel():
         raise ValueError(f"flat buffer has {flat.numel()} elements, tensors hold {offset}")
+
+
+def layout_key(tensors: Sequence[Tensor]) -> tuple[Any, ...]:
+    """What a bucket plan and its buffers depend on: the shapes, dtypes and devices, in order."""
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def _streams(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The current CUDA stream of every CUDA device of a layout (empty on CPU)."""
+    devices = sorted({device.index for _, _, device in key if device.type == "cuda"})
+    return tuple(torch.cuda.current_stream(d) for d in devices)
+
+
+class FlatBuffers:
+    """One contiguous 1-D buffer per bucket of ``plan``, made once and reused, each with a view
+    shaped like every tensor of its bucket: tensors go in and come out with one fused copy each way
+    (``torch._foreach_copy_``) instead of a new concatenation per call.
+
+    The buffers are used on the CUDA stream current when they were made; :meth:`fits` refuses
+    another stream, so that a buffer is never written on one stream while another still reads it.
+
+    Args:
+        tensors: tensors with the layout (shapes, dtypes, devices) the buffers are for.
+        plan: buckets of indices into ``tensors`` (:func:`plan_buckets`).
+    """
+
+    def __init__(self, tensors: Sequence[Tensor], plan: Sequence[Sequence[int]]) -> None:
+        self.key = layout_key(tensors)
+        self.streams = _streams(self.key)
+        self.flats: list[Tensor] = []
+        self.views: list[list[Tensor]] = []
+        for indices in plan:
+            bucket = [tensors[i] for i in indices]
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            parts = flat.split([t.numel() for t in bucket])
+            self.flats.append(flat)
+            self.views.append([v.view(t.shape) for v, t in zip(parts, bucket, strict=True)])
+
+    def fits(self, key: tuple[Any, ...]) -> bool:
+        """Whether tensors of layout ``key`` (:func:`layout_key`) fit, on the streams current now."""
+        return key == self.key and _streams(key) == self.streams
+
+    def fill(self, b: int, bucket: Sequence[Tensor]) -> Tensor:
+        """Copy ``bucket`` (the tensors of bucket ``b``) into its buffer; returns the buffer."""
+        with torch.no_grad():  # the buffer never joins a graph, whatever the tensors are
+            torch._foreach_copy_(self.views[b], list(bucket))
+        return self.flats[b]
+
+    def empty(self, b: int, bucket: Sequence[Tensor]) -> None:
+        """Copy bucket ``b``'s buffer back into its tensors (in place)."""
+        with torch.no_grad():
+            torch._foreach_copy_(list(bucket), self.views[b])

@@ -25,7 +25,9 @@ class CommStatsMonitor(Callback):
     Logged every batch (subject to the Trainer's ``log_every_n_steps``), from rank 0's figures:
 
     - ``comm/bytes``: bytes sent in the batch; ``comm/MB`` also goes to the progress bar;
-    - ``comm/seconds`` and ``comm/compute_seconds``: wall time inside collectives and the rest;
+    - ``comm/seconds`` and ``comm/compute_seconds``: time inside collectives and the rest (on
+      CUDA a batch is charged the collectives that had completed on the device by its end, so that
+      logging never makes the host wait for the device; the summaries are exact);
     - ``comm/calls``: collectives issued;
     - ``comm/<tag>_bytes``: the bytes split by kind of traffic (``grad``, ``weights``...).
 
@@ -71,7 +73,7 @@ class CommStatsMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._start = self.stats(trainer).snapshot()
+        self._start = self.stats(trainer).snapshot(wait=False)
 
     @override
     def on_train_batch_end(
@@ -80,7 +82,7 @@ class CommStatsMonitor(Callback):
         stats = self.stats(trainer)
         if self._start is None:
             return
-        d = delta(stats.snapshot(), self._start)
+        d = delta(stats.snapshot(wait=False), self._start)
         metrics = {
             "comm/bytes": float(d.bytes_sent),
             "comm/seconds": d.comm_seconds,

@@ -107,4 +107,4 @@ def create_communicator(
         device=device,
         timeout=timeout,
     )
-    return TorchCommunicator(heartbeat=world_heartbeat(rank, world_size))
+    return TorchCommunicator(heartbeat=world_heartbeat(rank, world_size), device=device)

@@ -8,8 +8,14 @@ Each public method
 2. runs the collective on the backend (:class:`~lightning_commstrats.comm.TorchCommunicator` for
    gloo / NCCL, :class:`~lightning_commstrats.comm.MPICommunicator` for mpi4py);
 3. charges this rank's :class:`~lightning_commstrats.comm.CommStats` with the bytes it sent
-   (formulas in :mod:`lightning_commstrats.comm.wire`) and the wall seconds it spent waiting,
-   under a *tag* naming the kind of traffic (``"grad"``, ``"weights"``, ``"control"``...).
+   (formulas in :mod:`lightning_commstrats.comm.wire`) and the seconds it spent waiting, under a
+   *tag* naming the kind of traffic (``"grad"``, ``"weights"``, ``"control"``...). On CPU tensors
+   the seconds are wall time; on CUDA tensors they are measured between two CUDA events on the
+   tensor's stream and read when the statistics are, so no collective waits for the device.
+
+Tensors the communicator makes itself (the lengths and bytes of object collectives, split counts)
+are made on :attr:`Communicator.device`, the device its backend moves: CUDA for NCCL, CPU for gloo
+and MPI.
 
 With one rank every collective is a local no-op that sends and records nothing.
 """
@@ -27,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_commstrats.comm import wire
-from lightning_commstrats.comm.stats import CommStats
+from lightning_commstrats.comm.stats import CommStats, CudaInterval
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -40,9 +46,14 @@ class Communicator(ABC):
         rank: this process's rank in the communicator (0-based).
         world_size: number of ranks.
         stats: the statistics to charge (a subgroup shares its parent's); default: new ones.
+
+    Attributes:
+        device: where the communicator makes the tensors of its own messages (object
+            collectives): a device its backend can move tensors from.
     """
 
     backend: str = "local"
+    device: torch.device = torch.device("cpu")
 
     def __init__(self, rank: int, world_size: int, stats: CommStats | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -167,10 +178,11 @@ class Communicator(ABC):
         """Send a picklable object from ``src`` to every rank (length, then payload)."""
         if self.world_size == 1:
             return obj
-        payload = _to_bytes(obj) if self.rank == src else torch.empty(0, dtype=torch.uint8)
-        length = self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src, tag=tag)
-        if self.rank != src:
-            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        payload = _to_bytes(obj, self.device) if self.rank == src else None
+        size = payload.numel() if payload is not None else 0
+        length = self.broadcast(torch.tensor([size], dtype=torch.int64, device=self.device), src, tag=tag)
+        if payload is None:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.broadcast(payload, src, tag=tag)
         return obj if self.rank == src else _from_bytes(payload)
 
@@ -178,7 +190,7 @@ class Communicator(ABC):
         """Gather a picklable object from every rank; returns the list in rank order."""
         if self.world_size == 1:
             return [obj]
-        return [_from_bytes(p) for p in self.all_gather_uneven(_to_bytes(obj), tag=tag)]
+        return [_from_bytes(p) for p in self.all_gather_uneven(_to_bytes(obj, self.device), tag=tag)]
 
     def new_subgroups(self, groups: Sequence[Sequence[int]]) -> Communicator:
         """Split the ranks into ``groups`` (lists of ranks covering every rank once); every rank must
@@ -239,6 +251,9 @@ class Communicator(ABC):
 
     def _timed(self, tag: str, nbytes: int, result: Tensor | None, fn: Callable[[], None]) -> None:
         start = time.perf_counter()
+        # A collective on CUDA tensors returns to the host before it has run (the stream waits for
+        # it): the host clock would time the launch. Two events on the stream time it on the device.
+        on_device = CudaInterval(result.device) if result is not None and result.is_cuda else None
         try:
             fn()
         except Exception as err:  # a peer died or hung: say which, on this rank, and stop
@@ -247,10 +262,7 @@ class Communicator(ABC):
                 f"rank {self.rank} of {self.world_size}: a collective ({tag}) failed after"
                 f" {time.perf_counter() - start:.1f} s{': ' + why if why else ''}. {err}"
             ) from err
-        if result is not None and result.is_cuda:
-            # Collectives on CUDA are asynchronous to the host: wait, or the time would be launch time.
-            torch.cuda.current_stream(result.device).synchronize()
-        self.stats.record(tag, nbytes, time.perf_counter() - start)
+        self.stats.record(tag, nbytes, on_device.stop() if on_device else time.perf_counter() - start)
 
     def _diagnose(self) -> str:
         """Why a collective may have failed (which peer stopped), where the backend can tell."""
@@ -285,8 +297,8 @@ def _check_contiguous(tensor: Tensor, name: str) -> None:
         raise ValueError(f"{name} must be contiguous (collectives write in place)")
 
 
-def _to_bytes(obj: Any) -> Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+def _to_bytes(obj: Any, device: torch.device) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
 
 
 def _from_bytes(payload: Tensor) -> Any:

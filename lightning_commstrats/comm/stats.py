@@ -3,6 +3,11 @@
 A :class:`CommStats` is owned by a :class:`~lightning_commstrats.comm.Communicator`; every
 collective adds to it. Strategies mark optimizer steps with :meth:`CommStats.mark_step`, which
 closes a per-step delta (:attr:`CommStats.last_step`), in the spirit of CNTK's ``syncPerfStats``.
+
+Seconds of a collective on CUDA tensors are measured on the device, between two CUDA events around
+it (:class:`CudaInterval`), and read only when they are asked for: no collective waits for the
+device just to be timed. Bytes and calls are booked at once; the seconds once the collective has
+completed on the device (see :meth:`CommStats.snapshot`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,52 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+import torch
+
+# pending device timings beyond which record() books those already complete (without waiting)
+_SETTLE_EVERY = 256
+
+
+class PendingSeconds(Protocol):
+    """The duration of a collective that may still be running on a device."""
+
+    def done(self) -> bool:
+        """Whether the duration is known without waiting."""
+        ...
+
+    def seconds(self) -> float:
+        """The duration in seconds (waits until the collective has completed)."""
+        ...
+
+
+class CudaInterval:
+    """Seconds between two CUDA events on the stream current for ``device`` when it is made: one
+    recorded now, one by :meth:`stop`. The events are enqueued, never waited for, until
+    :meth:`seconds` is called; the interval then covers the collective as the stream sees it (from
+    the stream reaching it, through waiting for the peers, to the result being in place)."""
+
+    __slots__ = ("_end", "_start", "_stream")
+
+    def __init__(self, device: torch.device) -> None:
+        # the stream of the tensor's device, not of the thread's current device: a background
+        # thread's current device is cuda:0 whatever device its tensors are on
+        self._stream = torch.cuda.current_stream(device)
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._start.record(self._stream)
+
+    def stop(self) -> CudaInterval:
+        self._end.record(self._stream)
+        return self
+
+    def done(self) -> bool:
+        return self._end.query()
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
 
 
 @dataclass
@@ -19,7 +70,8 @@ class CommCounters:
     Attributes:
         bytes_sent: bytes this rank put on the wire (see :mod:`lightning_commstrats.comm.wire`).
         calls: number of collectives.
-        comm_seconds: wall seconds spent inside collectives (waiting included).
+        comm_seconds: seconds spent inside collectives (waiting included): wall seconds on CPU,
+            device seconds between CUDA events on CUDA.
     """
 
     bytes_sent: int = 0
@@ -47,7 +99,7 @@ class CommSnapshot:
     Attributes:
         bytes_sent: bytes this rank sent.
         calls: collectives issued.
-        comm_seconds: wall seconds inside collectives.
+        comm_seconds: seconds inside collectives (see :class:`CommCounters`).
         wall_seconds: wall seconds of the interval (between step marks).
         steps: optimizer steps in the interval.
         by_tag: the same counters split by traffic kind (``"grad"``, ``"weights"``, ``"control"``...).
@@ -85,22 +137,63 @@ class CommStats:
     Attributes read by users: ``bytes_sent``, ``calls``, ``comm_seconds``, ``steps``,
     ``wall_seconds``, ``compute_seconds``, ``by_tag`` and ``last_step`` (a :class:`CommSnapshot` of
     the most recent step).
+
+    Collectives on CUDA charge their seconds late (:class:`PendingSeconds`): ``comm_seconds``,
+    ``by_tag``, ``snapshot()`` and ``repr`` wait for the collectives issued so far and are exact;
+    ``mark_step()``, called by the strategies every step, never waits, so a step's
+    ``last_step.comm_seconds`` holds the collectives that had completed on the device by its mark
+    (the others go to the step in which they complete; the totals lose nothing).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._settling = threading.Lock()  # one thread books pending seconds at a time
         self._total = CommCounters()
         self._by_tag: dict[str, CommCounters] = {}
+        self._pending: list[tuple[str, PendingSeconds]] = []
         self.steps = 0
         self._clock_start = time.perf_counter()
         self._mark = self._now()
         self.last_step = CommSnapshot()
 
-    def record(self, tag: str, nbytes: int, seconds: float) -> None:
-        """Charge one collective of ``nbytes`` sent bytes and ``seconds`` of waiting to ``tag``."""
+    def record(self, tag: str, nbytes: int, seconds: float | PendingSeconds) -> None:
+        """Charge one collective of ``nbytes`` sent bytes and ``seconds`` of waiting to ``tag``
+        (a number, or a :class:`PendingSeconds` read when the statistics are)."""
+        pending = not isinstance(seconds, (int, float))
         with self._lock:  # a background exchange records from its own thread
-            self._total.add(nbytes, seconds)
-            self._by_tag.setdefault(tag, CommCounters()).add(nbytes, seconds)
+            now = 0.0 if pending else seconds
+            self._total.add(nbytes, now)
+            self._by_tag.setdefault(tag, CommCounters()).add(nbytes, now)
+            if pending:
+                self._pending.append((tag, seconds))
+            crowded = len(self._pending) >= _SETTLE_EVERY
+        if crowded:  # nobody has read the stats for a while: book what is done, keep the list short
+            self._settle(wait=False)
+
+    def _settle(self, wait: bool) -> None:
+        """Book the pending seconds that are known (all of them with ``wait``, waiting for the device).
+
+        Without ``wait`` it never blocks: when another thread is booking, it leaves the work to it.
+        """
+        if not self._pending or not self._settling.acquire(blocking=wait):
+            return
+        try:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            booked: list[tuple[str, float]] = []
+            kept: list[tuple[str, PendingSeconds]] = []
+            for tag, p in pending:  # read outside the lock: waiting for the device must not stop recording
+                if wait or p.done():
+                    booked.append((tag, p.seconds()))
+                else:
+                    kept.append((tag, p))
+            with self._lock:
+                self._pending[:0] = kept
+                for tag, s in booked:
+                    self._total.comm_seconds += s
+                    self._by_tag[tag].comm_seconds += s
+        finally:
+            self._settling.release()
 
     @property
     def bytes_sent(self) -> int:
@@ -112,6 +205,7 @@ class CommStats:
 
     @property
     def comm_seconds(self) -> float:
+        self._settle(wait=True)
         return self._total.comm_seconds
 
     @property
@@ -124,6 +218,7 @@ class CommStats:
 
     @property
     def by_tag(self) -> dict[str, CommCounters]:
+        self._settle(wait=True)
         with self._lock:
             return {tag: c.copy() for tag, c in self._by_tag.items()}
 
@@ -132,26 +227,36 @@ class CommStats:
         self._clock_start = time.perf_counter()
         self._mark = self._now()
 
-    def snapshot(self) -> CommSnapshot:
-        """Cumulative figures since the stats were created."""
-        return self._now()
+    def snapshot(self, wait: bool = True) -> CommSnapshot:
+        """Cumulative figures since the stats were created.
+
+        Args:
+            wait: wait for the collectives still running on a CUDA device, so that their seconds
+                are in (default); ``False`` takes only those already complete and never blocks.
+        """
+        return self._now(wait)
 
     def mark_step(self) -> CommSnapshot:
-        """Count one optimizer step and return the figures of the interval since the previous mark."""
+        """Count one optimizer step and return the figures of the interval since the previous mark
+        (without waiting for the device: see the class notes)."""
         self.steps += 1
-        now = self._now()
+        now = self._now(wait=False)
         self.last_step = delta(now, self._mark)
         self._mark = now
         return self.last_step
 
-    def _now(self) -> CommSnapshot:
+    def _now(self, wait: bool = True) -> CommSnapshot:
+        self._settle(wait)
+        with self._lock:
+            total = self._total.copy()
+            tags = {tag: c.copy() for tag, c in self._by_tag.items()}
         return CommSnapshot(
-            bytes_sent=self.bytes_sent,
-            calls=self.calls,
-            comm_seconds=self.comm_seconds,
+            bytes_sent=total.bytes_sent,
+            calls=total.calls,
+            comm_seconds=total.comm_seconds,
             wall_seconds=self.wall_seconds,
             steps=self.steps,
-            by_tag=self.by_tag,
+            by_tag=tags,
         )
 
     def __repr__(self) -> str:

@@ -1,4 +1,11 @@
-"""Communicator over ``torch.distributed`` process groups (gloo on CPU, NCCL on CUDA)."""
+"""Communicator over ``torch.distributed`` process groups (gloo on CPU, NCCL on CUDA).
+
+NCCL moves only CUDA tensors of the device its group is bound to. The communicator's own messages
+are made there (:attr:`TorchCommunicator.device`), and a tensor handed to an NCCL collective from
+elsewhere (a CPU metric Lightning reduces) travels through a copy on that device, written back
+after, as the MPI communicator stages CUDA tensors through the host. Gloo takes the tensors as
+they are.
+"""
 
 from __future__ import annotations
 
@@ -97,16 +104,24 @@ class TorchCommunicator(Communicator):
             (see :func:`init_process_group`).
         heartbeat: the ranks' liveness counters, to name a peer that stopped when a collective
             fails (shared with subgroups and duplicates).
+        device: this rank's CUDA device, for NCCL (default: the current CUDA device when the
+            communicator is made); ignored by gloo, whose messages are made on the CPU.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None, heartbeat: Heartbeat | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        heartbeat: Heartbeat | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
         self.group = group
         self.backend = str(dist.get_backend(group))
         self.heartbeat = heartbeat
+        # fixed now, not looked up per call: a background thread's current CUDA device is cuda:0
+        self.device = nccl_device(device) if self.backend == "nccl" else torch.device("cpu")
         super().__init__(rank=dist.get_rank(group), world_size=dist.get_world_size(group), stats=stats)
 
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
@@ -115,11 +130,11 @@ class TorchCommunicator(Communicator):
             group = dist.new_group([self._global(r) for r in ranks])
             if i == mine:
                 made = group
-        return TorchCommunicator(made, stats=self.stats, heartbeat=self.heartbeat)
+        return TorchCommunicator(made, stats=self.stats, heartbeat=self.heartbeat, device=self.device)
 
     def _duplicate(self) -> Communicator:
         ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
-        return TorchCommunicator(dist.new_group(ranks), stats=self.stats, heartbeat=self.heartbeat)
+        return TorchCommunicator(dist.new_group(ranks), stats=self.stats, heartbeat=self.heartbeat, device=self.device)
 
     def _diagnose(self) -> str:
         if self.heartbeat is None:
@@ -132,25 +147,60 @@ class TorchCommunicator(Communicator):
         return "every rank is alive: one is stuck or failed inside the collective"
 
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
-        dist.all_reduce(tensor, op=_OPS[op], group=self.group)
+        with self._staged(tensor) as t:
+            dist.all_reduce(t, op=_OPS[op], group=self.group)
 
     def _reduce_scatter(self, out: Tensor, tensor: Tensor, op: str) -> None:
-        dist.reduce_scatter(out, list(tensor.chunk(self.world_size)), op=_OPS[op], group=self.group)
+        with self._staged(out, fill=False) as o, self._staged(tensor, writeback=False) as t:
+            dist.reduce_scatter(o, list(t.chunk(self.world_size)), op=_OPS[op], group=self.group)
 
     def _all_gather(self, out: Tensor, tensor: Tensor) -> None:
-        dist.all_gather(list(out.unbind(0)), tensor, group=self.group)
+        with self._staged(out, fill=False) as o, self._staged(tensor, writeback=False) as t:
+            dist.all_gather(list(o.unbind(0)), t, group=self.group)
 
     def _all_to_all(self, out: Tensor, tensor: Tensor, recv_splits: list[int], send_splits: list[int]) -> None:
-        dist.all_to_all_single(out, tensor, recv_splits, send_splits, group=self.group)
+        with self._staged(out, fill=False) as o, self._staged(tensor, writeback=False) as t:
+            dist.all_to_all_single(o, t, recv_splits, send_splits, group=self.group)
 
     def _broadcast(self, tensor: Tensor, src: int) -> None:
-        dist.broadcast(tensor, src=self._global(src), group=self.group)
+        with self._staged(tensor) as t:
+            dist.broadcast(t, src=self._global(src), group=self.group)
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _staged(self, tensor: Tensor, *, fill: bool = True, writeback: bool = True) -> _Staged:
+        """``tensor`` as the backend takes it: itself, or (NCCL, a tensor on another device) a copy
+        on :attr:`device`, filled from it when ``fill`` and copied back into it when ``writeback``."""
+        if self.backend != "nccl" or tensor.device == self.device:
+            return _Staged(tensor, tensor, writeback=False)
+        staged = tensor.to(self.device) if fill else torch.empty_like(tensor, device=self.device)
+        return _Staged(tensor, staged, writeback=writeback)
+
+
+class _Staged:
+    """A context that hands out ``staged`` and, on success, copies it back into ``tensor``."""
+
+    def __init__(self, tensor: Tensor, staged: Tensor, *, writeback: bool) -> None:
+        self.tensor, self.staged, self.writeback = tensor, staged, writeback
+
+    def __enter__(self) -> Tensor:
+        return self.staged
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None and self.writeback:
+            self.tensor.copy_(self.staged)
+
+
+def nccl_device(device: torch.device | None = None) -> torch.device:
+    """The CUDA device an NCCL communicator of this rank moves tensors on: ``device`` (a CUDA device)
+    or the current CUDA device, with its index."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def init_process_group(

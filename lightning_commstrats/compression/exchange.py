@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_commstrats.buckets import flatten, plan_buckets, unflatten_into
+from lightning_commstrats.buckets import FlatBuffers, layout_key, plan_buckets, unflatten_into
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
 from lightning_commstrats.compression.quantizers import ColumnCodec
@@ -36,12 +36,20 @@ class BucketedAllReduce:
     """Average tensors over ranks in place, fused into buckets of at most ``cap_bytes`` each.
 
     The bucket plan of a list of tensors (by shapes, dtypes, devices) is computed once and reused.
+    With ``keep_buffers`` (default) each traffic tag keeps the flat buffers of its last layout
+    (:class:`~lightning_commstrats.buckets.FlatBuffers`): a step copies its tensors into them and
+    back out with one fused copy each way and allocates nothing; another layout (other shapes,
+    dtypes, devices) or another CUDA stream replaces them. The price is one copy of the tensors per
+    tag held between calls, as DDP holds its buckets. ``keep_buffers=False`` makes them per call
+    (for large exchanges that come rarely). One caller at a time (a background exchange has its own).
     """
 
-    def __init__(self, comm: Communicator, cap_bytes: int) -> None:
+    def __init__(self, comm: Communicator, cap_bytes: int, *, keep_buffers: bool = True) -> None:
         self.comm = comm
         self.cap_bytes = cap_bytes
+        self.keep_buffers = keep_buffers
         self._plans: dict[tuple[Any, ...], list[list[int]]] = {}
+        self._buffers: dict[str, FlatBuffers] = {}
 
     def __call__(
         self,
@@ -52,19 +60,39 @@ class BucketedAllReduce:
         finite_flags: list[Tensor] | None = None,
     ) -> None:
         """``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
-        ``tensors``); it must return the same tensor on every rank. With ``finite_flags``, one
-        boolean device tensor per bucket is appended to it: whether the bucket's average is finite."""
-        key = tuple((t.shape, t.dtype, t.device) for t in tensors)
+        ``tensors``); it must return the same tensor on every rank, and keep no reference to
+        ``flat`` (a buffer the next call overwrites). With ``finite_flags``, one boolean device
+        tensor per bucket is appended to it: whether the bucket's average is finite."""
+        key = layout_key(tensors)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = plan_buckets(tensors, self.cap_bytes)
-        for indices in plan:
+        buffers = self._buffers.get(tag) if self.keep_buffers else None
+        if buffers is None or not buffers.fits(key):
+            buffers = FlatBuffers(tensors, plan)
+            if self.keep_buffers:
+                self._buffers[tag] = buffers
+        for b, indices in enumerate(plan):
             bucket = [tensors[i] for i in indices]
-            flat = flatten(bucket)
+            flat = buffers.fill(b, bucket)
             out = exchange(flat, indices) if exchange else self.comm.all_reduce(flat, "avg", tag=tag)
             if finite_flags is not None:
                 finite_flags.append(torch.isfinite(out).all())
-            unflatten_into(out, bucket)
+            if out is flat:
+                buffers.empty(b, bucket)
+            else:
+                unflatten_into(out, bucket)
+
+    def buffers(self, tag: str) -> FlatBuffers | None:
+        """The flat buffers kept for ``tag`` (``None`` when none are)."""
+        return self._buffers.get(tag)
+
+    def release(self, tag: str | None = None) -> None:
+        """Drop the buffers kept for ``tag`` (for every tag with ``None``): traffic that has ended."""
+        if tag is None:
+            self._buffers.clear()
+        else:
+            self._buffers.pop(tag, None)
 
 
 class TensorExchange:
@@ -78,6 +106,7 @@ class TensorExchange:
             in fp32 (CNTK: 1024); they are few bytes and sensitive (biases, norms).
         tag: traffic tag of the fp32 part; the quantized part is charged to ``<tag>_quantized``.
         bucket_cap_mb: largest fused fp32 buffer, MiB.
+        keep_buffers: keep the fused fp32 buffers between calls (see :class:`BucketedAllReduce`).
     """
 
     def __init__(
@@ -89,13 +118,14 @@ class TensorExchange:
         small_tensor_numel: int = 1024,
         tag: str = "grad",
         bucket_cap_mb: float = 25.0,
+        keep_buffers: bool = True,
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
         self.comm = comm
         self.bits = bits
         self.small_tensor_numel = small_tensor_numel
         self.tag = tag
-        self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20))
+        self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20), keep_buffers=keep_buffers)
         self.quantized: QuantizedAllReduce | None = None
         if bits < 32:
             codec = ColumnCodec(min(bits, 16), HALF_DTYPES[half_dtype])

@@ -40,7 +40,8 @@ class AllReduceStrategy(CommStrategy):
 
     Args:
         bucket_cap_mb: largest fused buffer per collective, in MiB (default 25, as DDP). Bigger
-            buckets mean fewer collectives (less latency) but more memory for the copy.
+            buckets mean fewer collectives (less latency); the buckets are kept from step to step,
+            one copy of the gradients whatever their size, as DDP's are.
         backend: ``"auto"``, ``"gloo"``, ``"nccl"`` or ``"mpi"`` (see :class:`CommStrategy`).
         timeout: torch.distributed timeout.
         start_method: how Lightning starts ranks (``"popen"`` like ``ddp``, or a multiprocessing method).

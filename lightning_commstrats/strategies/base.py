@@ -77,7 +77,8 @@ class CommStrategy(ParallelStrategy):
         start_method: how Lightning starts the ranks when it starts them itself: ``"popen"``
             (re-run the script, like ``ddp``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         bucket_cap_mb: largest fused buffer per collective, in MiB (default 25, as DDP). Bigger
-            buckets mean fewer collectives (less latency) but a bigger temporary copy.
+            buckets mean fewer collectives (less latency); the buckets are kept from step to step,
+            one copy of the gradients whatever their size, as DDP's are.
         resume_mismatch: what to do when a checkpoint's strategy state does not fit this run
             (another world size, other parameter shapes): ``"error"`` (default), ``"reset"``
             (start the state afresh, with a warning) or ``"reshard"`` (another number of ranks:

@@ -187,6 +187,7 @@ class PeriodicSyncStrategy(CommStrategy):
                 small_tensor_numel=self.small_tensor_numel,
                 tag="weights",
                 bucket_cap_mb=self.bucket_cap_mb,
+                keep_buffers=False,  # once per period, a whole fragment: not worth a standing copy
             )
         return self._exchange
 
@@ -245,6 +246,8 @@ class PeriodicSyncStrategy(CommStrategy):
 
     def _start(self) -> None:
         self.started = True
+        if self._fused is not None:  # the warm start's gradient exchange is over: free its buffers
+            self._fused.release("grad")
         now, h, f = self._progress(), self.sync_period, self.num_fragments
         # fragment k first syncs (k + 1) H / F units from now, then every H: the fragments take turns
         self._block_start = [now - h + (k + 1) * h // f for k in range(f)]
@@ -604,3 +607,5 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
             ]
             if buffers:
                 self.all_reduce_fused(buffers, tag="optimizer_state")
+        if self._fused is not None:  # once per period and as large as the optimizer state: no standing copy
+            self._fused.release("optimizer_state")

@@ -71,3 +71,76 @@ def test_bad_collective_arguments_fail_before_sending():
         comm.broadcast(t, src=1)
     with pytest.raises(ValueError, match="1-D"):
         comm.reduce_scatter(torch.zeros(2, 2))
+
+
+class Pending:
+    """Stands in for a collective still running on a device (what a CudaInterval is)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.finished = False
+        self.reads = 0
+        self._seconds = seconds
+
+    def done(self) -> bool:
+        return self.finished
+
+    def seconds(self) -> float:
+        self.reads += 1
+        self.finished = True  # reading waits for the device
+        return self._seconds
+
+
+def test_device_seconds_are_booked_late_bytes_at_once():
+    s = CommStats()
+    p = Pending(0.25)
+    s.record("grad", 100, p)
+    step = s.mark_step()  # the strategies' per-step mark never waits for the device
+    assert (step.bytes_sent, step.calls, step.comm_seconds) == (100, 1, 0.0)
+    assert s.snapshot(wait=False).comm_seconds == 0.0 and p.reads == 0
+    p.finished = True  # completed on the device: the next mark books it without waiting
+    later = s.mark_step()
+    assert (later.bytes_sent, later.calls, later.comm_seconds) == (0, 0, 0.25)
+    assert later.by_tag["grad"].comm_seconds == 0.25 and p.reads == 1
+
+
+def test_reading_the_totals_waits_for_pending_seconds():
+    s = CommStats()
+    first, second = Pending(0.5), Pending(0.125)
+    s.record("grad", 8, first)
+    s.record("weights", 4, 1.0)  # a CPU collective: wall seconds at once
+    s.record("weights", 4, second)
+    assert s.comm_seconds == 1.625 and first.reads == second.reads == 1
+    assert s.by_tag["weights"].comm_seconds == 1.125 and s.by_tag["weights"].calls == 2
+    assert s.comm_seconds == 1.625 and first.reads == 1  # booked once
+
+
+def test_many_unread_timings_are_settled_as_they_complete():
+    s = CommStats()
+    done = []
+    for _ in range(300):
+        p = Pending(0.001)
+        p.finished = True
+        done.append(p)
+        s.record("grad", 1, p)
+    assert len(s._pending) < 256 and s.calls == 300  # record() booked the completed ones itself
+    assert s.comm_seconds == pytest.approx(0.3)
+
+
+def test_background_thread_bookings_reach_the_shared_totals():
+    import threading
+
+    s = CommStats()
+    pending = [Pending(0.01) for _ in range(50)]
+
+    def background() -> None:
+        for p in pending:
+            s.record("weights", 2, p)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    for _ in range(50):
+        s.record("grad", 1, 0.001)
+        s.mark_step()
+    thread.join()
+    assert s.by_tag["weights"].calls == 50 and s.by_tag["weights"].comm_seconds == pytest.approx(0.5)
+    assert s.comm_seconds == pytest.approx(0.55) and s.bytes_sent == 150

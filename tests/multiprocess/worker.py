@@ -6,6 +6,7 @@ per scenario, the final parameters, the communication statistics and the trainin
 
 Scenario keys: ``strategy`` ("ddp" or a package registry name), ``kwargs`` (strategy arguments),
 ``model`` ("mlp" or "manual2": two optimizers under manual optimization), ``devices``,
+``accelerator`` ("cpu", the default, or "cuda": one GPU per rank),
 ``max_steps``, ``accumulate``, ``clip``, ``seed``, ``batch_size``, ``momentum``, ``trace`` (keep
 the flat parameters after every step), ``ckpt_every`` (save a checkpoint every that many steps
 into ``OUT_DIR/<scenario>``, or ``ckpt_dir``), ``resume`` (``[scenario, step]``: start from that
@@ -353,7 +354,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     if sc.get("record_exchange"):
         record_pseudo_gradients(strategy, exchanges)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=sc.get("accelerator", "cpu"),
         devices=sc.get("devices", 2),
         strategy=strategy,
         max_steps=sc.get("max_steps", 8),
@@ -380,7 +381,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
             validated = trainer.validate(model, verbose=False)[0]
             val_loss = validated["val/loss"]
     result: dict[str, Any] = {
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "losses": model.losses,
         "world_size": trainer.world_size,
         "trace": trace.steps,
