@@ -239,6 +239,17 @@ class EmulatedCluster:
         )
         return int(out.stdout)
 
+    def uplink_tx_bytes(self, group: int) -> int:
+        """Bytes that left group ``group`` through its uplink so far (the kernel's counter of the
+        group switch's uplink port): the traffic on the slow links out of that group."""
+        out = subprocess.run(
+            ["ip", "netns", "exec", f"{self.prefix}-sw{group}", "cat", "/sys/class/net/up0/statistics/tx_bytes"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(out.stdout)
+
 
 def _demo(hosts: int, rate: float, seconds: float) -> None:
     """Create a cluster, push data from host 1 to host 0 for a few seconds, report the rate, remove."""

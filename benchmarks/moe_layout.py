@@ -9,7 +9,11 @@ runs with ``dp = 2`` and ``ep = 2`` in both layouts:
 - ``inner="ep"`` (symmetric): each expert-parallel pair shares a group; tokens stay inside, the
   expert and dense gradients' data-parallel traffic crosses the uplink.
 
-It prints tokens per second for both and their ratio, whatever it turns out to be.
+and, with ``group_size=2`` (the package's two-level gradient exchange: reduce-scatter inside a
+group, all-reduce of half the buffer across, all-gather inside), the hierarchical layout again with
+the slow hop in fp32 and in 8 bits (error feedback). It prints tokens per second for each, the bytes
+that crossed the uplinks per step (the switches' uplink counters, both directions), and the ratios
+to the symmetric flat layout, whatever they turn out to be.
 
     python benchmarks/moe_layout.py [--steps 30 --rate 1000]
 """
@@ -40,17 +44,29 @@ def main() -> None:
     seq_len = 35
     rows = []
     with cluster_or_loopback(args, args.rate, groups=2, uplink_mbit=args.rate * 3 / 16) as (cluster, where):
-        for inner, name in (("dp", "hierarchical (dp inner)"), ("ep", "symmetric (ep inner)")):
+        layouts = (
+            ("ep", "symmetric (ep inner), flat ring", {"inner": "ep"}),
+            ("dp", "hierarchical (dp inner), flat ring", {"inner": "dp"}),
+            ("dp_two", "hierarchical, two-level exchange", {"inner": "dp", "group_size": 2}),
+            (
+                "dp_two8",
+                "hierarchical, two-level, 8-bit slow hop",
+                {"inner": "dp", "group_size": 2, "slow_hop_bits": 8},
+            ),
+        )
+        for key, name, settings in layouts:
             strategy = {
                 "class_path": "lightning_commstrats.ExpertParallelStrategy",
-                "init_args": {"ep_size": 2, "dp_size": 2, "inner": inner},
+                "init_args": {"ep_size": 2, "dp_size": 2, **settings},
             }
-            run_dir = out / inner
+            run_dir = out / key
             run_dir.mkdir(parents=True, exist_ok=True)
             for old in run_dir.glob("probe.rank*.json"):
                 old.unlink()
             print(f"== {name}", flush=True)
-            launch(Entry(inner, name, strategy, "ours"), args, 0, cluster, run_dir)
+            up_before = [cluster.uplink_tx_bytes(g) for g in range(2)] if cluster else [0, 0]
+            launch(Entry(key, name, strategy, "ours"), args, 0, cluster, run_dir)
+            up_after = [cluster.uplink_tx_bytes(g) for g in range(2)] if cluster else [0, 0]
             ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("probe.rank*.json"))]
             steps = [r["step_seconds"][1:] for r in ranks]
             mean_step = statistics.fmean(statistics.fmean(s) for s in steps)
@@ -62,7 +78,16 @@ def main() -> None:
                     "mean_step_s": mean_step,
                     "tokens_per_s": tokens / mean_step,
                     "tokens_MB_per_step": cs.get("tokens/bytes_sent", 0) / ranks[0]["steps"] / 1e6,
-                    "grad_MB_per_step": (cs.get("grad/bytes_sent", 0) + cs.get("grad_experts/bytes_sent", 0))
+                    "grad_MB_per_step": sum(
+                        v
+                        for k, v in cs.items()
+                        if k.endswith("/bytes_sent") and k.split("/")[0].startswith(("grad", "slow"))
+                    )
+                    / ranks[0]["steps"]
+                    / 1e6,
+                    # everything that crossed the uplinks during the run (setup, validation and
+                    # the launch included), per training step
+                    "uplink_MB_per_step": sum(a - b for a, b in zip(up_after, up_before, strict=True))
                     / ranks[0]["steps"]
                     / 1e6,
                 }
@@ -71,18 +96,16 @@ def main() -> None:
         f"4 ranks (dp 2 x ep 2), {where}; `{Path(args.config).name}`, {args.steps} steps of {args.batch_size}"
         f" x {seq_len} tokens per rank.",
         "",
-        "| layout | mean step s | tokens/s | all-to-all MB/step (rank 0) | gradient MB/step (rank 0) |",
-        "|---|---|---|---|---|",
+        "| layout | mean step s | tokens/s | vs symmetric | all-to-all MB/step (rank 0) | gradient MB/step"
+        " (rank 0) | uplinks MB/step (interfaces) |",
+        "|---|---|---|---|---|---|---|",
     ]
+    base = rows[0]["tokens_per_s"]
     lines += [
-        f"| {r['layout']} | {r['mean_step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_MB_per_step']:.3f} |"
-        f" {r['grad_MB_per_step']:.3f} |"
+        f"| {r['layout']} | {r['mean_step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x |"
+        f" {r['tokens_MB_per_step']:.3f} | {r['grad_MB_per_step']:.3f} | {r['uplink_MB_per_step']:.2f} |"
         for r in rows
     ]
-    if len(rows) == 2:
-        lines.append(
-            f"\nhierarchical / symmetric tokens per second: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}"
-        )
     text = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text + "\n")

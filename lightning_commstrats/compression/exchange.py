@@ -28,6 +28,8 @@ from lightning_commstrats.compression.aggregation import MatrixLayout, Quantized
 from lightning_commstrats.compression.quantizers import ColumnCodec
 
 EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
+# averages one flat fp32 bucket over ranks: (flat, tag, key naming the bucket) -> a new tensor
+Average = Callable[[Tensor, str, str], Tensor]
 WARM_START_UNITS = ("samples", "steps")
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,12 +44,17 @@ class BucketedAllReduce:
     dtypes, devices) or another CUDA stream replaces them. The price is one copy of the tensors per
     tag held between calls, as DDP holds its buckets. ``keep_buffers=False`` makes them per call
     (for large exchanges that come rarely). One caller at a time (a background exchange has its own).
+    ``average(flat, tag, key)``, when given, averages a bucket instead of the flat all-reduce (a
+    two-level all-reduce; ``key`` names the bucket).
     """
 
-    def __init__(self, comm: Communicator, cap_bytes: int, *, keep_buffers: bool = True) -> None:
+    def __init__(
+        self, comm: Communicator, cap_bytes: int, *, keep_buffers: bool = True, average: Average | None = None
+    ) -> None:
         self.comm = comm
         self.cap_bytes = cap_bytes
         self.keep_buffers = keep_buffers
+        self.average = average
         self._plans: dict[tuple[Any, ...], list[list[int]]] = {}
         self._buffers: dict[str, FlatBuffers] = {}
 
@@ -75,7 +82,12 @@ class BucketedAllReduce:
         for b, indices in enumerate(plan):
             bucket = [tensors[i] for i in indices]
             flat = buffers.fill(b, bucket)
-            out = exchange(flat, indices) if exchange else self.comm.all_reduce(flat, "avg", tag=tag)
+            if exchange is not None:
+                out = exchange(flat, indices)
+            elif self.average is not None:
+                out = self.average(flat, tag, f"{tag}/{b}")
+            else:
+                out = self.comm.all_reduce(flat, "avg", tag=tag)
             if finite_flags is not None:
                 finite_flags.append(torch.isfinite(out).all())
             if out is flat:
@@ -107,6 +119,7 @@ class TensorExchange:
         tag: traffic tag of the fp32 part; the quantized part is charged to ``<tag>_quantized``.
         bucket_cap_mb: largest fused fp32 buffer, MiB.
         keep_buffers: keep the fused fp32 buffers between calls (see :class:`BucketedAllReduce`).
+        average: averages the fp32 buckets instead of a flat all-reduce (see :class:`BucketedAllReduce`).
     """
 
     def __init__(
@@ -119,13 +132,14 @@ class TensorExchange:
         tag: str = "grad",
         bucket_cap_mb: float = 25.0,
         keep_buffers: bool = True,
+        average: Average | None = None,
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
         self.comm = comm
         self.bits = bits
         self.small_tensor_numel = small_tensor_numel
         self.tag = tag
-        self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20), keep_buffers=keep_buffers)
+        self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20), keep_buffers=keep_buffers, average=average)
         self.quantized: QuantizedAllReduce | None = None
         if bits < 32:
             codec = ColumnCodec(min(bits, 16), HALF_DTYPES[half_dtype])
@@ -236,8 +250,9 @@ class GradientCompression:
         self.half_dtype = half_dtype
         self.exchange: TensorExchange | None = None
 
-    def bind(self, comm: Communicator, bucket_cap_mb: float) -> TensorExchange:
-        """The exchange over ``comm`` (made on first use; residuals start at zero)."""
+    def bind(self, comm: Communicator, bucket_cap_mb: float, average: Average | None = None) -> TensorExchange:
+        """The exchange over ``comm`` (made on first use; residuals start at zero); ``average``
+        averages its fp32 buckets (a two-level all-reduce)."""
         if self.exchange is None:
             self.exchange = TensorExchange(
                 comm,
@@ -246,6 +261,7 @@ class GradientCompression:
                 small_tensor_numel=self.small_tensor_numel,
                 tag="grad",
                 bucket_cap_mb=bucket_cap_mb,
+                average=average,
             )
         return self.exchange
 

@@ -88,12 +88,12 @@ class AllReduceStrategy(CommStrategy):
 
         Override in gradient-compression schemes. Every rank must return the same tensor.
         """
-        return self.comm.all_reduce(flat_grad, "avg", tag="grad")
+        return self.average_flat(flat_grad, "grad")
 
     def exchange_compressed(self, compression: GradientCompression, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` through ``compression``: quantized matrices (after its
         warm start) and fp32 small tensors."""
-        compression.bind(self.comm, self.bucket_cap_mb)
+        compression.bind(self.comm, self.bucket_cap_mb, average=self.two_level)
         bad = compression.average(
             {self.param_name(p): dense_grad(p) for p in params},
             samples_seen=self._samples_at_step * self.world_size,

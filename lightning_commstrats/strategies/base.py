@@ -55,6 +55,7 @@ from lightning_commstrats.comm import (
     resolve_backend,
 )
 from lightning_commstrats.compression.exchange import BucketedAllReduce
+from lightning_commstrats.compression.hierarchical import SLOW_BITS, TwoLevelAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 RESUME_MISMATCH = ("error", "reset", "reshard")
 NONFINITE_POLICIES = ("raise", "skip")
 STATE_KEY = "lightning_commstrats"
+TWO_LEVEL_KEY = "two_level"  # in a rank's state: the residuals of a quantized slow hop
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
@@ -96,6 +98,14 @@ class CommStrategy(ParallelStrategy):
         verify_sync_action: ``"raise"`` (default: ``RuntimeError`` naming the tensors and ranks, on
             every rank at once) or ``"warn"`` when the replicas disagree.
         process_group_backend: another name of ``backend``, as Lightning's ``DDPStrategy`` calls it.
+        group_size: ranks per group of fast links (a node, a supernode; consecutive ranks), or
+            ``"node"`` (the devices per node); then every fp32 gradient all-reduce of the scheme goes
+            in two levels: a reduce-scatter inside the group, an all-reduce across the groups of
+            ``1 / group_size`` of the buffer per rank, an all-gather inside
+            (:class:`~lightning_commstrats.compression.hierarchical.TwoLevelAllReduce`). ``None``
+            (default): one flat ring over all ranks.
+        slow_hop_bits: bits per value on the hop between groups: 32 (fp32) or 16, 8, 4, 2, 1
+            (quantized with per-column scales and error feedback; needs ``group_size``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -113,6 +123,8 @@ class CommStrategy(ParallelStrategy):
         verify_sync_every: int = 0,
         verify_sync_action: str = "raise",
         process_group_backend: str | None = None,
+        group_size: int | str | None = None,
+        slow_hop_bits: int = 32,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,12 +159,22 @@ class CommStrategy(ParallelStrategy):
             raise ValueError(f"resume_mismatch={resume_mismatch!r} is not supported; choose one of {RESUME_MISMATCH}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is not supported; choose one of {NONFINITE_POLICIES}")
+        if group_size is not None and group_size != "node":
+            if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+                raise ValueError(f"group_size must be a positive int, 'node' or None, got {group_size!r}")
+        if isinstance(slow_hop_bits, bool) or slow_hop_bits not in SLOW_BITS:
+            raise ValueError(f"slow_hop_bits={slow_hop_bits!r} is not supported; choose one of {SLOW_BITS}")
+        if slow_hop_bits < 32 and group_size is None:
+            raise ValueError(f"slow_hop_bits={slow_hop_bits} needs group_size (the hop between groups of ranks)")
         if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
             raise ValueError(f"verify_sync_every must be an int >= 0 (0: never), got {verify_sync_every!r}")
         if verify_sync_action not in ("raise", "warn"):
             raise ValueError(
                 f"verify_sync_action={verify_sync_action!r} is not supported; choose one of ('raise', 'warn')"
             )
+        self.group_size = group_size
+        self.slow_hop_bits = slow_hop_bits
+        self.two_level: TwoLevelAllReduce | None = None  # made once the ranks are connected
         self.verify_sync_every = verify_sync_every
         self.verify_sync_action = verify_sync_action
         self._backend = backend
@@ -299,7 +321,17 @@ class CommStrategy(ParallelStrategy):
                 main_port=env.main_port if multi else 0,
                 timeout=self._timeout,
             )
-        log.info("%s: rank %d of %d over %r", type(self).__name__, self.global_rank, self.world_size, self._comm)
+        if self.group_size is not None and self.world_size > 1 and self.two_level is None:
+            size = self.num_processes if self.group_size == "node" else self.group_size
+            self.two_level = TwoLevelAllReduce(self._comm, size, self.slow_hop_bits)
+        log.info(
+            "%s: rank %d of %d over %r%s",
+            type(self).__name__,
+            self.global_rank,
+            self.world_size,
+            self._comm,
+            f", gradients by {self.two_level!r}" if self.two_level is not None else "",
+        )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -497,11 +529,14 @@ class CommStrategy(ParallelStrategy):
             "world_size": self.world_size,
             "state": _to_cpu(self.state_dict()),
         }
+        rank = self.rank_state_dict()
+        if self.two_level is not None and self.two_level.state_dict():
+            rank = {**rank, TWO_LEVEL_KEY: self.two_level.state_dict()}
         if self.world_size == 1:  # one process: its state goes in the file itself
-            entry["rank"] = _to_cpu(self.rank_state_dict())
+            entry["rank"] = _to_cpu(rank)
         else:
             shards = [shard_name(filepath, r, self.world_size) for r in range(self.world_size)]
-            self._write_shard(_to_cpu(self.rank_state_dict()), _beside(filepath, shards[self.global_rank]))
+            self._write_shard(_to_cpu(rank), _beside(filepath, shards[self.global_rank]))
             self.comm.barrier()
             entry["shards"] = shards
         return entry
@@ -578,6 +613,16 @@ class CommStrategy(ParallelStrategy):
         if saved is None:
             return
         name = type(self).__name__
+        rank_state = saved.get("rank")
+        two_level = None
+        if isinstance(rank_state, dict) and TWO_LEVEL_KEY in rank_state:  # the slow hop's residuals
+            rank_state = dict(rank_state)
+            two_level = rank_state.pop(TWO_LEVEL_KEY)
+            saved = {**saved, "rank": rank_state}
+        if self.two_level is not None:  # they carry over only to the same ranks; else restart at zero
+            self.two_level.reset()
+            if two_level is not None and saved["world_size"] == self.world_size:
+                self.two_level.load_state_dict(_to_device(two_level, self.root_device))
         if saved["strategy"] != name:
             log.warning("checkpoint state of %s is not %s state; %s starts afresh", saved["strategy"], name, name)
             return
@@ -698,8 +743,14 @@ class CommStrategy(ParallelStrategy):
         ``tensors``); it must return the same tensor on every rank.
         """
         if self._fused is None:
-            self._fused = BucketedAllReduce(self.comm, int(self.bucket_cap_mb * 2**20))
+            self._fused = BucketedAllReduce(self.comm, int(self.bucket_cap_mb * 2**20), average=self.two_level)
         self._fused(tensors, tag=tag, exchange=exchange)
+
+    def average_flat(self, flat: Tensor, tag: str, key: str | None = None) -> Tensor:
+        """The average over ranks of one flat buffer: two levels with ``group_size``, else one ring."""
+        if self.two_level is not None:
+            return self.two_level(flat, tag, key)
+        return self.comm.all_reduce(flat, "avg", tag=tag)
 
     def replicated_tensors(self) -> dict[str, Tensor]:
         """The tensors every rank must hold bit for bit (all parameters for a gradient scheme)."""
