@@ -59,6 +59,7 @@ CASES = [
     (BMUFStrategy, {"block_momentum": 1.0}, ValueError, r"block_momentum must be in \[0, 1\), got 1.0"),
     (BMUFStrategy, {"block_learning_rate": 0}, ValueError, "block_learning_rate must be > 0"),
     (DiLoCoStrategy, {"pseudo_grad_bits": 3}, ValueError, "pseudo_grad_bits=3 is not supported"),
+    (DiLoCoStrategy, {"pseudo_grad_scales": "blocks"}, ValueError, r"pseudo_grad_scales='blocks' is not supported; choose one of \('columns', 'rows'\)"),
     (DiLoCoStrategy, {"outer_lr": 0}, ValueError, "outer_lr must be a number > 0, got 0"),
     (DiLoCoStrategy, {"outer_momentum": 1.5}, ValueError, r"outer_momentum must be a number in \[0, 1\), got 1.5"),
     (DiLoCoStrategy, {"outer_optimizer": "torch.nn.Linear"}, ValueError, "is not a torch.optim.Optimizer subclass"),

@@ -39,25 +39,40 @@ from lightning_commstrats.compression.quantizers import ColumnCodec
 
 @dataclass(frozen=True)
 class MatrixLayout:
-    """How one gradient is seen by the aggregator: ``cols`` columns of ``rows`` values, in stripes."""
+    """How one gradient is seen by the aggregator: ``cols`` lines of ``rows`` values each, one scale
+    pair per line, the lines in stripes (one per rank).
+
+    With ``by_rows=False`` (1-bit SGD's layout, as CNTK) a line is a column of the ``[shape[0],
+    rest]`` matrix; with ``by_rows=True`` a line is a row (each word of an embedding or output
+    matrix gets its own scales, so rare words are not quantized on the scale of frequent ones).
+    """
 
     shape: torch.Size
-    rows: int
-    cols: int
-    stripes: tuple[tuple[int, int], ...]  # [begin, end) columns owned by each rank
+    rows: int  # values per line
+    cols: int  # lines
+    stripes: tuple[tuple[int, int], ...]  # [begin, end) lines owned by each rank
+    by_rows: bool = False
 
     @classmethod
-    def of(cls, shape: torch.Size, world_size: int) -> MatrixLayout:
-        rows = shape[0] if len(shape) else 1
-        cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+    def of(cls, shape: torch.Size, world_size: int, by_rows: bool = False) -> MatrixLayout:
+        first = shape[0] if len(shape) else 1
+        rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+        rows, cols = (rest, first) if by_rows else (first, rest)
         width = -(-cols // world_size)
         stripes = tuple((min(k * width, cols), min((k + 1) * width, cols)) for k in range(world_size))
-        return cls(torch.Size(shape), rows, cols, stripes)
+        return cls(torch.Size(shape), rows, cols, stripes, by_rows)
 
 
 def column_major(grad: Tensor, layout: MatrixLayout) -> Tensor:
-    """A new contiguous float32 ``[cols, rows]`` copy of ``grad`` (row ``j`` = column ``j``)."""
+    """A new contiguous float32 ``[lines, values]`` copy of ``grad`` (row ``j`` = line ``j``)."""
+    if layout.by_rows:  # the rows are the lines already
+        return grad.detach().reshape(layout.cols, layout.rows).to(torch.float32, copy=True).contiguous()
     return grad.detach().reshape(layout.rows, layout.cols).t().to(torch.float32, copy=True).contiguous()
+
+
+def from_lines(lines: Tensor, layout: MatrixLayout) -> Tensor:
+    """The inverse of :func:`column_major`: ``[lines, values]`` back to the gradient's shape (a view)."""
+    return (lines if layout.by_rows else lines.t()).reshape(layout.shape)
 
 
 class QuantizedAllReduce:
@@ -67,14 +82,18 @@ class QuantizedAllReduce:
         codec: the column quantizer (bits per value).
         comm: the communicator of the ranks.
         tag: the traffic tag for :class:`~lightning_commstrats.comm.CommStats`.
+        by_rows: one scale pair per row of each matrix instead of per column (see :class:`MatrixLayout`).
 
     Attributes:
         residuals: stage-1 residual per name, ``[cols, rows]`` (what this rank's quantization lost).
         residuals2: stage-2 residual per name, ``[owned cols, rows]`` (what the owner's re-quantization lost).
     """
 
-    def __init__(self, codec: ColumnCodec, comm: Communicator, tag: str = "grad_quantized") -> None:
+    def __init__(
+        self, codec: ColumnCodec, comm: Communicator, tag: str = "grad_quantized", *, by_rows: bool = False
+    ) -> None:
         self.codec = codec
+        self.by_rows = by_rows
         self.comm = comm
         self.tag = tag
         self.residuals: dict[str, Tensor] = {}
@@ -86,7 +105,7 @@ class QuantizedAllReduce:
     def layout(self, name: str, shape: torch.Size) -> MatrixLayout:
         lay = self._layouts.get(name)
         if lay is None or lay.shape != shape:
-            lay = self._layouts[name] = MatrixLayout.of(shape, self.comm.world_size)
+            lay = self._layouts[name] = MatrixLayout.of(shape, self.comm.world_size, self.by_rows)
         return lay
 
     def __call__(self, grads: Mapping[str, Tensor], *, commit: bool = True) -> dict[str, Tensor]:
@@ -166,7 +185,7 @@ class QuantizedAllReduce:
                     cm[name][c0:c1] = self.codec.decode(everything[k, offset : offset + size], c1 - c0, lay.rows)
                 offset += size
         for name, lay in zip(names, layouts, strict=True):
-            result[name] = cm[name].div_(n).t().reshape(lay.shape)
+            result[name] = from_lines(cm[name].div_(n), lay)
         # one host synchronisation for all matrices; every rank decoded the same bytes, so all agree
         finite = torch.stack([torch.isfinite(m).all() for m in cm.values()]).all() if cm else None
         self._pending = None

@@ -28,6 +28,7 @@ from lightning_commstrats.compression.aggregation import MatrixLayout, Quantized
 from lightning_commstrats.compression.quantizers import ColumnCodec
 
 EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
+SCALES = ("columns", "rows")
 # averages one flat fp32 bucket over ranks: (flat, tag, key naming the bucket) -> a new tensor
 Average = Callable[[Tensor, str, str], Tensor]
 WARM_START_UNITS = ("samples", "steps")
@@ -120,6 +121,8 @@ class TensorExchange:
         bucket_cap_mb: largest fused fp32 buffer, MiB.
         keep_buffers: keep the fused fp32 buffers between calls (see :class:`BucketedAllReduce`).
         average: averages the fp32 buckets instead of a flat all-reduce (see :class:`BucketedAllReduce`).
+        scales: ``"columns"`` (one scale pair per column of a matrix, 1-bit SGD's layout) or
+            ``"rows"`` (per row: every word of a vocabulary matrix on its own scale).
     """
 
     def __init__(
@@ -133,8 +136,12 @@ class TensorExchange:
         bucket_cap_mb: float = 25.0,
         keep_buffers: bool = True,
         average: Average | None = None,
+        scales: str = "columns",
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
+        if scales not in SCALES:
+            raise ValueError(f"scales={scales!r} is not supported; choose one of {SCALES}")
+        self.by_rows = scales == "rows"
         self.comm = comm
         self.bits = bits
         self.small_tensor_numel = small_tensor_numel
@@ -143,7 +150,7 @@ class TensorExchange:
         self.quantized: QuantizedAllReduce | None = None
         if bits < 32:
             codec = ColumnCodec(min(bits, 16), HALF_DTYPES[half_dtype])
-            self.quantized = QuantizedAllReduce(codec, comm, tag=f"{tag}_quantized")
+            self.quantized = QuantizedAllReduce(codec, comm, tag=f"{tag}_quantized", by_rows=self.by_rows)
 
     def quantizes(self, t: Tensor) -> bool:
         """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values)."""
@@ -192,7 +199,7 @@ class TensorExchange:
             for name, res in state.get(kind, {}).items():
                 if name not in shapes:
                     raise ValueError(f"its residual for {name!r} has no tensor of that name in the model")
-                lay = MatrixLayout.of(shapes[name], self.comm.world_size)
+                lay = MatrixLayout.of(shapes[name], self.comm.world_size, self.by_rows)
                 c0, c1 = lay.stripes[self.comm.rank]
                 expected = (lay.cols, lay.rows) if kind == "residuals" else (c1 - c0, lay.rows)
                 if tuple(res.shape) != expected:

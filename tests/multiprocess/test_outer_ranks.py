@@ -88,11 +88,11 @@ def test_equivalences_bmuf_filter_validation_and_compressed_bytes_on_two_ranks()
             torch.testing.assert_close(v, _global(res["bmuf"]["states"][step - 1]), atol=0, rtol=0)
             assert not torch.allclose(v, trace[step - 1])
 
-    # 4-bit pseudo-gradients: the bytes by hand. Two ranks, so each matrix is two column stripes; a
-    # rank sends the other rank's stripe (all-to-all), then its own re-quantized stripe (all-gather).
-    # A stripe's payload: two float32 scales per column + 4 bits per value.
-    w0 = 16 * 4 * 2 + 16 * 16 * 4 // 8  # layer.0.weight [16, 32]: stripes of 16 columns of 16 rows
-    w2 = 8 * 4 * 2 + 8 * 2 * 4 // 8  # layer.2.weight [2, 16]: stripes of 8 columns of 2 rows
+    # 4-bit pseudo-gradients: the bytes by hand. Two ranks, so each matrix is two stripes of rows
+    # (scales per row, the default); a rank sends the other rank's stripe (all-to-all), then its own
+    # re-quantized stripe (all-gather). A stripe's payload: two float32 scales per row + 4 bits per value.
+    w0 = 8 * 4 * 2 + 8 * 32 * 4 // 8  # layer.0.weight [16, 32]: stripes of 8 rows of 32 values
+    w2 = 1 * 4 * 2 + 1 * 16 * 4 // 8  # layer.2.weight [2, 16]: stripes of 1 row of 16 values
     syncs = 2  # 8 steps, period 4
     for res in results:
         stats = res["diloco4"]["stats"]
