@@ -25,8 +25,8 @@ the steps skipped for overflow.
 
 Mixture of experts: --model.num_experts experts in every --model.moe_every-th
 Transformer block (--model.top_k, --model.capacity_factor, --model.balance:
-aux, capacity or swipe), trained with the expert_parallel strategy (ep_size x
-dp_size ranks; inner: dp or ep). Every step logs moe/max_load, moe/mean_load,
+aux, capacity, swipe or bias, with --model.bias_update_rate), trained with the
+expert_parallel strategy (ep_size x dp_size ranks; inner: dp or ep). Every step logs moe/max_load, moe/mean_load,
 moe/balance (max / mean tokens per expert), moe/dropped and moe/aux_loss;
 CommStatsMonitor adds comm/tokens_bytes, the all-to-all payload.
 """

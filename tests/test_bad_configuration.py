@@ -89,6 +89,10 @@ CASES = [
     (LanguageModel, {"vocab_size": 0}, ValueError, "vocab_size must be >= 2"),
     (LanguageModel, {"vocab_size": 10, "optimizer": "lion"}, ValueError, "optimizer='lion' is not supported"),
     (LanguageModel, {"vocab_size": 10, "dropout": 1.5}, ValueError, r"dropout must be in \[0, 1\)"),
+    (LanguageModel, {"vocab_size": 10, "aux_loss_weight": -0.1}, ValueError, "aux_loss_weight must be a finite number >= 0"),
+    # mixture of experts
+    (LanguageModel, {"vocab_size": 10, "arch": "transformer", "num_experts": 4, "balance": "loss_free"}, ValueError, "balance='loss_free' is not supported"),
+    (LanguageModel, {"vocab_size": 10, "arch": "transformer", "num_experts": 4, "balance": "bias", "bias_update_rate": -1e-3}, ValueError, "bias_update_rate must be a finite number >= 0, got -0.001"),
     (CommStatsMonitor, {"summary_every_n_steps": -1}, ValueError, "summary_every_n_steps must be a positive int or None"),
 ]  # fmt: skip
 

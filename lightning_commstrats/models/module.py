@@ -16,11 +16,13 @@ from torch import Tensor
 from torch.nn import functional as F
 from torchmetrics.text import Perplexity
 
+from lightning_commstrats.comm import Communicator
 from lightning_commstrats.data.corpus import IGNORE_INDEX
 from lightning_commstrats.models.base import LanguageModelBase
 from lightning_commstrats.models.ffn import FFNLM, FFNConfig
 from lightning_commstrats.models.lstm import LSTMLM, LSTMConfig
 from lightning_commstrats.models.transformer import TransformerConfig, TransformerLM
+from lightning_commstrats.moe import update_expert_biases
 
 ARCHS = ("lstm", "ffn", "transformer")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -44,8 +46,8 @@ def build_model(
     """Build an LM by name; for the Transformer ``hidden_dim`` is ``d_model`` and ``embed_dim`` is unused.
 
     ``moe`` (``num_experts``, ``moe_every``, ``top_k``, ``capacity_factor``, ``balance``,
-    ``expert_dim``, ``shared_expert_dim``, ``router_init_std``) turns the Transformer's FFNs into
-    mixture-of-experts layers.
+    ``expert_dim``, ``shared_expert_dim``, ``router_init_std``, ``bias_update_rate``) turns the
+    Transformer's FFNs into mixture-of-experts layers.
     """
     moe = moe or {}
     if moe.get("num_experts", 0) and arch != "transformer":
@@ -95,15 +97,20 @@ class LanguageModel(L.LightningModule):
         moe_every: every k-th block gets the MoE FFN.
         top_k: experts per token (1: Switch, 2: GShard).
         capacity_factor: expert capacity relative to an even share (``balance="capacity"``).
-        balance: ``"aux"`` (dropless, auxiliary loss only), ``"capacity"`` (drop beyond capacity)
-            or ``"swipe"`` (every expert gets exactly its share, nothing dropped).
-        aux_loss_weight: weight of the load-balancing loss in the training loss.
+        balance: ``"aux"`` (dropless, auxiliary loss only), ``"capacity"`` (drop beyond capacity),
+            ``"swipe"`` (every expert gets exactly its share, nothing dropped) or ``"bias"``
+            (auxiliary-loss-free, DeepSeek-V3: a per-expert bias on the routing scores, updated
+            after every optimizer step from the load over all ranks; dropless).
+        aux_loss_weight: weight of the load-balancing loss in the training loss (default None:
+            0.01, or 0 with ``balance="bias"``, which needs no auxiliary loss).
         expert_dim: hidden width of every routed expert (default None: ``ffn_dim``). With
             ``top_k`` experts per token, ``expert_dim = (ffn_dim - shared_expert_dim) / top_k``
             keeps the active size of the dense FFN (DeepSeekMoE's fine-grained experts).
         shared_expert_dim: hidden width of a shared expert every token goes through, added to the
             routed output (default 0: none).
         router_init_std: standard deviation of the routers' normal initialisation (default 0.02).
+        bias_update_rate: ``balance="bias"``: the step of every expert's bias per optimizer step
+            (default 1e-3, DeepSeek-V3's; see :class:`~lightning_commstrats.moe.MoELayer`).
     """
 
     def __init__(
@@ -131,10 +138,11 @@ class LanguageModel(L.LightningModule):
         top_k: int = 1,
         capacity_factor: float = 1.25,
         balance: str = "aux",
-        aux_loss_weight: float = 0.01,
+        aux_loss_weight: float | None = None,
         expert_dim: int | None = None,
         shared_expert_dim: int = 0,
         router_init_std: float = 0.02,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -143,7 +151,12 @@ class LanguageModel(L.LightningModule):
             raise ValueError(f"lr_schedule={lr_schedule!r} is not supported; choose one of {SCHEDULES}")
         if lr <= 0 or warmup_steps < 0 or not 0 < lr_decay <= 1:
             raise ValueError(f"need lr > 0, warmup_steps >= 0, 0 < lr_decay <= 1; got {lr}, {warmup_steps}, {lr_decay}")
+        if aux_loss_weight is not None and not 0 <= aux_loss_weight < math.inf:
+            raise ValueError(f"aux_loss_weight must be a finite number >= 0 (or None), got {aux_loss_weight!r}")
         self.save_hyperparameters()
+        if aux_loss_weight is None:
+            aux_loss_weight = 0.0 if balance == "bias" else 0.01
+        self.aux_loss_weight = aux_loss_weight
         self.net = build_model(
             arch,
             vocab_size,
@@ -167,6 +180,7 @@ class LanguageModel(L.LightningModule):
                 "expert_dim": expert_dim,
                 "shared_expert_dim": shared_expert_dim,
                 "router_init_std": router_init_std,
+                "bias_update_rate": bias_update_rate,
             },
         )
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
@@ -183,8 +197,21 @@ class LanguageModel(L.LightningModule):
         if self.hparams.num_experts:
             aux = self.net.aux_loss
             self._log_moe(aux)
-            return loss + self.hparams.aux_loss_weight * aux
+            return loss + self.aux_loss_weight * aux
         return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """The step, then the expert biases of bias balancing: once per optimizer step (also with
+        gradient accumulation), from the load of the step's forwards summed over all ranks."""
+        super().optimizer_step(*args, **kwargs)
+        update_expert_biases(self.net, self._sum_over_ranks)
+
+    def _sum_over_ranks(self, counts: Tensor) -> Tensor:
+        strategy = self.trainer.strategy
+        comm = getattr(strategy, "comm", None)
+        if isinstance(comm, Communicator):  # a lightning_commstrats strategy: charged as control traffic
+            return comm.all_reduce(counts, "sum", tag="control")
+        return strategy.reduce(counts, reduce_op="sum")
 
     def _log_moe(self, aux: Tensor) -> None:
         """Tokens per expert (summed over MoE layers), balance (max / mean load), dropped slots, aux loss."""

@@ -26,10 +26,11 @@ class TransformerConfig:
     moe_every: int = 1  # every k-th block gets the MoE FFN (k = 2: blocks 2, 4, ...)
     top_k: int = 1
     capacity_factor: float = 1.25
-    balance: str = "aux"  # "aux", "capacity" or "swipe"
+    balance: str = "aux"  # "aux", "capacity", "swipe" or "bias"
     expert_dim: int | None = None  # routed experts' hidden width; None: ffn_dim
     shared_expert_dim: int = 0  # > 0: a shared expert of this width in every MoE layer
     router_init_std: float = 0.02
+    bias_update_rate: float = 1e-3  # balance="bias": the expert bias's step per optimizer step
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,6 +75,7 @@ class Block(nn.Module):
                 c.capacity_factor,
                 c.shared_expert_dim,
                 c.router_init_std,
+                c.bias_update_rate,
             )
         else:
             self.ffn = declare(FeedForward(c.d_model, c.ffn_dim, c.dropout), "ffn")

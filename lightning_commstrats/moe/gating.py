@@ -1,8 +1,8 @@
-"""Routing tokens to experts: top-1 (Switch) and top-2 (GShard) gates, capacity, SWIPE balancing.
+"""Routing tokens to experts: top-1 (Switch) and top-2 (GShard) gates, capacity, SWIPE and bias balancing.
 
 Pure tensor code. A gate turns router logits ``[tokens, experts]`` into an :class:`Routing`: for
 each token ``k`` (expert, weight) slots, a mask of the slots that are kept, and the auxiliary
-load-balancing loss. Three balancing modes:
+load-balancing loss. Four balancing modes:
 
 - ``"aux"``: dropless; only the auxiliary loss pushes the router towards balance;
 - ``"capacity"``: every expert takes at most ``ceil(capacity_factor * tokens * k / experts)``
@@ -14,6 +14,11 @@ load-balancing loss. Three balancing modes:
   take move to their next-best expert with room, in rounds: in round ``r`` every unplaced token
   asks its ``r``-th choice, and each expert accepts, up to its remaining share, the askers that
   rate it highest. Top-1 only.
+- ``"bias"``: auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2412.19437, section 2.1.2; Wang et
+  al. 2024, arXiv:2408.15664): a per-expert bias is added to the routing scores (the softmax
+  probabilities) to choose the experts, and only to choose them: the combine weights come from the
+  unbiased probabilities. Dropless. The bias itself is a control loop outside the gate, updated
+  after every optimizer step from the observed load (:meth:`~lightning_commstrats.moe.MoELayer.update_bias`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-BALANCE_MODES = ("aux", "capacity", "swipe")
+BALANCE_MODES = ("aux", "capacity", "swipe", "bias")
 
 
 @dataclass
@@ -61,22 +66,31 @@ def capacity(tokens: int, num_experts: int, k: int, capacity_factor: float) -> i
     return math.ceil(capacity_factor * tokens * k / num_experts)
 
 
-def route(logits: Tensor, k: int = 1, balance: str = "aux", capacity_factor: float = 1.25) -> Routing:
+def route(
+    logits: Tensor, k: int = 1, balance: str = "aux", capacity_factor: float = 1.25, bias: Tensor | None = None
+) -> Routing:
     """Route ``[tokens, experts]`` router logits (computed in float32) with a top-``k`` gate.
 
     Top-1 weights are the expert's softmax probability (Switch); top-2 weights are the two
-    probabilities renormalised to sum to 1 (GShard).
+    probabilities renormalised to sum to 1 (GShard). ``bias`` (``[experts]``, ``balance="bias"``
+    only) is added to the probabilities to choose the experts; the weights ignore it.
     """
     if balance not in BALANCE_MODES:
         raise ValueError(f"balance={balance!r} is not supported; choose one of {BALANCE_MODES}")
     t, e = logits.shape
     if not 1 <= k <= e:
         raise ValueError(f"top-k must be in [1, num_experts={e}], got k={k}")
+    if (bias is not None) != (balance == "bias"):
+        raise ValueError(f"a bias goes with balance='bias' and only with it; got balance={balance!r}")
+    if bias is not None and bias.shape != (e,):
+        raise ValueError(f"bias must have shape ({e},) (one value per expert), got {tuple(bias.shape)}")
     probs = F.softmax(logits.float(), dim=-1)
     if balance == "swipe":
         if k != 1:
             raise ValueError("SWIPE balancing routes top-1; use k=1")
         experts = swipe_assign(probs).unsqueeze(1)
+    elif bias is not None:
+        experts = (probs + bias.float()).topk(k, dim=-1).indices
     else:
         experts = probs.topk(k, dim=-1).indices
     weights = probs.gather(1, experts)
@@ -92,32 +106,49 @@ def route(logits: Tensor, k: int = 1, balance: str = "aux", capacity_factor: flo
         kept = (position < cap).view(k, t).t()
         weights = weights * kept
     aux = load_balancing_loss(probs, probs.argmax(-1), e)
-    load = torch.bincount(experts[kept], minlength=e)
+    load = torch.zeros(e, dtype=torch.long, device=logits.device).index_add_(
+        0, experts.reshape(-1), kept.reshape(-1).long()
+    )
     return Routing(experts, weights, kept, aux, load)
 
 
 def swipe_assign(probs: Tensor) -> Tensor:
-    """Top-1 expert per token such that every expert gets exactly its share and none is dropped."""
+    """Top-1 expert per token such that every expert gets exactly its share and none is dropped.
+
+    Runs without a host round trip: every round works on all ``tokens`` at full length, placed
+    tokens masked, so no shape depends on the data (no ``nonzero``, no ``.item()``). Round ``r``:
+
+    1. every token takes its ``r``-th choice; a token placed in an earlier round asks the sentinel
+       expert ``experts`` instead, which has no room;
+    2. the tokens are ordered by (expert asked, score for it descending, token index): two stable
+       sorts. A token's rank within its expert is its position minus the expert's first position;
+    3. a token is accepted when that rank is below the expert's remaining room, which then shrinks
+       by the accepted count (a scatter-add, not ``bincount``, whose length would be data-dependent).
+
+    The loop always runs ``experts`` rounds (it cannot stop early without asking the host whether
+    everyone is placed); after them every token is: an expert left with room never rejects anyone.
+    """
     t, e = probs.shape
-    share = torch.full((e,), t // e, dtype=torch.long, device=probs.device)
+    device = probs.device
+    share = torch.full((e,), t // e, dtype=torch.long, device=device)
     share[: t % e] += 1  # shares differ by at most one when t % e != 0
     order = probs.argsort(dim=-1, descending=True)  # each token's preference list
-    assigned = torch.full((t,), -1, dtype=torch.long, device=probs.device)
-    room = share.clone()
+    assigned = torch.full((t,), -1, dtype=torch.long, device=device)
+    room = torch.cat([share, share.new_zeros(1)])  # the sentinel expert e has no room
+    position = torch.arange(t, device=device)
     for r in range(e):
-        waiting = (assigned < 0).nonzero().squeeze(1)
-        if waiting.numel() == 0:
-            break
-        choice = order[waiting, r]
-        score = probs[waiting, choice]
-        # within each expert, the askers that rate it highest come first
+        placed = assigned >= 0
+        choice = order[:, r]
+        asked = torch.where(placed, e, choice)
+        score = probs.gather(1, choice.unsqueeze(1)).squeeze(1)
+        # within each expert, the askers that rate it highest come first, ties in token order
         by_score = torch.argsort(score, descending=True, stable=True)
-        by_expert = torch.argsort(choice[by_score], stable=True)
-        ranked = by_score[by_expert]
-        chosen = choice[ranked]
-        starts = torch.searchsorted(chosen, torch.arange(e, device=probs.device))
-        rank_in_expert = torch.arange(ranked.numel(), device=probs.device) - starts[chosen]
-        accept = rank_in_expert < room[chosen]
-        assigned[waiting[ranked[accept]]] = chosen[accept]
-        room -= torch.bincount(chosen[accept], minlength=e)
+        ranked = by_score[torch.argsort(asked[by_score], stable=True)]
+        sorted_asked = asked[ranked]
+        asking = torch.zeros(e + 1, dtype=torch.long, device=device).index_add_(0, asked, torch.ones_like(asked))
+        starts = asking.cumsum(0) - asking
+        accept_sorted = position - starts[sorted_asked] < room[sorted_asked]
+        accept = torch.empty_like(accept_sorted).scatter_(0, ranked, accept_sorted)
+        assigned = torch.where(accept, choice, assigned)
+        room = room - torch.zeros_like(room).index_add_(0, asked, accept.long())
     return assigned

@@ -17,6 +17,9 @@ flow to the right tokens and experts.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -39,8 +42,48 @@ class AllToAll(torch.autograd.Function):
         return ctx.comm.all_to_all(grad.contiguous(), ctx.recv, ctx.send, tag=ctx.tag), None, None, None, None
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: ``grouped_mm``'s backward refuses the
+    expanded (stride 0) gradient that, for one, ``out.sum().backward()`` produces."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+def grouped_mm_fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` runs ``x @ weight[e]`` and the matmul after it
+    (``[rows, f] @ [f, d]``) here, with autograd.
+
+    torch 2.13 has a CPU grouped GEMM for float32 whose rows (``d`` and ``f`` values) are multiples
+    of 16 bytes; it is not an autocast op. On CUDA it takes bfloat16 only (SM 8.0+), which no test
+    here can run, so CUDA takes the padded ``bmm``.
+    """
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+        and x.shape[-1] % 4 == 0
+        and weight.shape[-1] % 4 == 0
+    )
+
+
 class Experts(nn.Module):
-    """``num_experts`` GELU FFNs ``d -> f -> d`` stored as stacked tensors (easy to shard)."""
+    """``num_experts`` GELU FFNs ``d -> f -> d`` stored as stacked tensors (easy to shard).
+
+    Forward runs all experts at once, two batched matmuls whatever the number of experts:
+
+    - torch's grouped GEMM (``torch.nn.functional.grouped_mm``: every expert's rows, however many,
+      against its own weight, one kernel) where it runs (:func:`grouped_mm_fits`: float32 on CPU);
+    - elsewhere (half precision, CUDA) one ``baddbmm`` on ``[experts, max rows, d]``: each expert's
+      rows padded with zeros to the busiest expert's count. The padding is computed and thrown away:
+      the work is ``experts x max rows`` instead of the rows, as cheap as the loop it replaces when
+      the load is even (SWIPE, bias balancing), up to ``max / mean`` load times dearer when it is not.
+    """
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int) -> None:
         super().__init__()
@@ -64,13 +107,27 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         """``x``: rows grouped by local expert, ``counts[e]`` rows for expert ``e``."""
-        # Empty chunks are computed too: the result must stay in the autograd graph even when no
-        # token came, or this rank would skip the all-to-alls of backward that its peers wait in.
-        outs = []
-        for e, chunk in enumerate(x.split(counts)):
-            h = F.gelu(torch.addmm(self.b1[e], chunk, self.w1[e]))
-            outs.append(torch.addmm(self.b2[e], h, self.w2[e]))
-        return torch.cat(outs)
+        # Every expert takes part in the batched matmuls, also one that no token came to: the result
+        # must stay in the autograd graph even when no token came, or this rank would skip the
+        # all-to-alls of backward that its peers wait in.
+        sizes = torch.tensor(counts, dtype=torch.long, device=x.device)
+        expert = torch.repeat_interleave(torch.arange(self.count, device=x.device), sizes, output_size=x.shape[0])
+        if grouped_mm_fits(x, self.w1) and self.w2.dtype == self.w1.dtype:
+            ends = sizes.cumsum(0).to(torch.int32)
+            h = F.gelu(F.grouped_mm(x, self.w1, offs=ends) + self.b1[expert])
+            return _DenseGrad.apply(F.grouped_mm(h, self.w2, offs=ends)) + self.b2[expert]
+        rows = max(counts, default=0)
+        # row i of expert e goes to padded row e * rows + (i - first row of e)
+        first = sizes.cumsum(0) - sizes
+        slot = (
+            torch.arange(x.shape[0], device=x.device)
+            + (torch.arange(self.count, device=x.device) * rows - first)[expert]
+        )
+        d = x.shape[-1]
+        padded = x.new_zeros(self.count * rows, d).index_copy(0, slot, x).view(self.count, rows, d)
+        h = F.gelu(torch.baddbmm(self.b1.unsqueeze(1), padded, self.w1))
+        out = torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
+        return out.view(self.count * rows, d)[slot]
 
 
 class SharedExpert(nn.Module):
@@ -96,17 +153,36 @@ class MoELayer(nn.Module):
         ffn_dim: every routed expert's hidden width.
         num_experts: experts in the layer (over all ranks).
         top_k: experts per token; 1 is Switch, more is GShard (weights renormalised to sum to 1).
-        balance: ``"aux"`` (dropless), ``"capacity"`` (drop over capacity) or ``"swipe"``.
+        balance: ``"aux"`` (dropless), ``"capacity"`` (drop over capacity), ``"swipe"`` or
+            ``"bias"`` (auxiliary-loss-free: a per-expert bias on the routing scores chooses the
+            experts, see ``bias_update_rate``).
         capacity_factor: slots per expert relative to an even share (``"capacity"`` mode).
         shared_dim: hidden width of the shared expert (0: none, the default). It is a dense
             parameter like attention: replicated, never sharded.
         router_init_std: standard deviation of the router's normal initialisation (default 0.02,
             as every other Linear of the Transformer). Smaller starts the router closer to
             uniform; it must stay > 0 so that ties between experts are broken.
+        bias_update_rate: ``balance="bias"`` only: how far every expert's bias moves per optimizer
+            step (default 1e-3, DeepSeek-V3's bias update speed: 0.001 for its first 14.3T
+            tokens, then 0; arXiv:2412.19437, section 4.2). The rule is
+            ``bias_e += rate * sign(mean load - load_e)``, the load counted over all ranks since
+            the last step (:meth:`update_bias`, :func:`update_expert_biases`). The scores are
+            softmax probabilities, about ``1 / num_experts`` each, so the rate is a step on that
+            scale: too small and the bias needs many steps to cancel a router's preference (the
+            load stays uneven meanwhile); too large and it overshoots, the overloaded expert
+            changing from step to step (the sign rule never settles, it circles the balance
+            within about one rate of bias). Tune it by the ``moe/balance`` log after warm-up.
+            0 freezes the bias (DeepSeek-V3's last 500B tokens).
 
     After a forward, ``aux_loss`` holds the load-balancing loss and ``routing`` the last
-    :class:`~lightning_commstrats.moe.gating.Routing` (for metrics).
+    :class:`~lightning_commstrats.moe.gating.Routing` (for metrics). With ``balance="bias"`` the
+    bias is the buffer ``expert_bias`` (saved in checkpoints, the same on every rank), and the
+    load of the training forwards since the last update accumulates until :meth:`update_bias`.
     """
+
+    # buffers every rank computes alike by construction: strategies leave them out of the buffer
+    # averaging, which could only round them (the mean of N equal floats is not always that float)
+    agreed_buffers: tuple[str, ...] = ("expert_bias",)
 
     def __init__(
         self,
@@ -118,6 +194,7 @@ class MoELayer(nn.Module):
         capacity_factor: float = 1.25,
         shared_dim: int = 0,
         router_init_std: float = 0.02,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__()
         if ffn_dim < 1:
@@ -138,6 +215,12 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"router_init_std must be > 0 (ties between experts are broken at random), got {router_init_std}"
             )
+        if (
+            isinstance(bias_update_rate, bool)
+            or not isinstance(bias_update_rate, (int, float))
+            or not 0 <= bias_update_rate < math.inf
+        ):
+            raise ValueError(f"bias_update_rate must be a finite number >= 0, got {bias_update_rate!r}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.balance = balance
@@ -153,6 +236,10 @@ class MoELayer(nn.Module):
         self.dispatch_dtype: torch.dtype | None = None
         self.aux_loss = torch.zeros(())
         self.routing: Routing | None = None
+        self.bias_update_rate = float(bias_update_rate)
+        if balance == "bias":
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self._load_since_update: Tensor | None = None
 
     def shard(self, comm: Communicator) -> None:
         """Keep this rank's share of the experts; tokens will travel over ``comm`` (the EP group)."""
@@ -168,8 +255,11 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         with torch.autocast(device_type=tokens.device.type, enabled=False):
             logits = F.linear(tokens.float(), self.router.weight.float())
-        routing = route(logits, self.top_k, self.balance, self.capacity_factor)
+        bias = self.expert_bias if self.balance == "bias" else None
+        routing = route(logits, self.top_k, self.balance, self.capacity_factor, bias)
         self.aux_loss, self.routing = routing.aux_loss, routing
+        if bias is not None and self.training:
+            self._load_since_update = routing.load + (0 if self._load_since_update is None else self._load_since_update)
         keep = routing.kept.reshape(-1)
         slot_expert = routing.experts.reshape(-1)[keep]
         slot_token = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)[keep]
@@ -191,6 +281,29 @@ class MoELayer(nn.Module):
             y = y + self.shared(tokens)
         return y.view(shape)
 
+    def load_since_update(self) -> Tensor:
+        """``[num_experts]`` slots this rank routed to every expert in training forwards since the
+        last :meth:`update_bias` (int64; zeros when none ran)."""
+        if self._load_since_update is None:
+            return torch.zeros(self.num_experts, dtype=torch.long, device=self.router.weight.device)
+        return self._load_since_update
+
+    @torch.no_grad()
+    def update_bias(self, load: Tensor | None = None) -> None:
+        """``balance="bias"``: move every expert's bias one ``bias_update_rate`` towards balance,
+        ``bias_e += rate * sign(mean(load) - load_e)``, and start counting the load afresh.
+
+        Call it once per optimizer step, after the step, on every rank with the same ``load``: the
+        slots routed to every expert since the last update summed over all ranks (the default, this
+        rank's :meth:`load_since_update`, is right on one process only). :func:`update_expert_biases`
+        does it for every such layer of a model with one all-reduce.
+        """
+        if self.balance != "bias":
+            raise ValueError(f"update_bias needs balance='bias', this layer has balance={self.balance!r}")
+        load = (self.load_since_update() if load is None else load).to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_update_rate)
+        self._load_since_update = None
+
     def _expert_parallel(self, inputs: Tensor, counts: Tensor) -> Tensor:
         comm = self.comm
         ep, local = comm.world_size, self.experts.count
@@ -208,3 +321,24 @@ class MoELayer(nn.Module):
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=inputs.device)
         return AllToAll.apply(computed[back], comm, recv, send, "tokens")
+
+
+def update_expert_biases(model: nn.Module, sum_over_ranks: Callable[[Tensor], Tensor] | None = None) -> None:
+    """After an optimizer step: update the bias of every ``balance="bias"`` layer of ``model`` from
+    the load of all ranks (:meth:`MoELayer.update_bias`).
+
+    The layers' counts since the last update, ``[layers, experts]`` int64, are summed over the ranks
+    by ``sum_over_ranks`` (one collective for all layers; None on one process), so every rank applies
+    the same update. :class:`~lightning_commstrats.models.LanguageModel` calls it after every
+    optimizer step; in a loop of one's own (Fabric), after ``optimizer.step()``::
+
+        update_expert_biases(model, lambda t: fabric.all_reduce(t, reduce_op="sum"))
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.balance == "bias"]
+    if not layers:
+        return
+    load = torch.stack([m.load_since_update() for m in layers])
+    if sum_over_ranks is not None:
+        load = sum_over_ranks(load)
+    for layer, counts in zip(layers, load, strict=True):
+        layer.update_bias(counts)

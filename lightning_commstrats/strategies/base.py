@@ -447,9 +447,13 @@ class CommStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ buffers
 
     def buffers_to_sync(self) -> list[Tensor]:
-        """The module buffers that replicas hold (running statistics...); all of them by default."""
+        """The module buffers that replicas hold (running statistics...): all of them by default,
+        but those every rank computes alike (:func:`agreed_buffer_ids`)."""
         module = self.lightning_module
-        return list(module.buffers()) if module is not None else []
+        if module is None:
+            return []
+        agreed = agreed_buffer_ids(module)
+        return [b for b in module.buffers() if id(b) not in agreed]
 
     def sync_buffers(self, tag: str = "buffers") -> None:
         """Make every rank's buffers equal: floating-point ones averaged (BatchNorm's running
@@ -833,6 +837,19 @@ class CommStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
+
+
+def agreed_buffer_ids(module: Module) -> set[int]:
+    """The ids of the buffers in ``module`` that every rank computes alike by construction, named by
+    their modules in an ``agreed_buffers`` tuple (an MoE layer's expert bias, updated from the load
+    of all ranks): they need no exchange, and averaging could only round them (the mean of three
+    equal floats is not always that float)."""
+    return {
+        id(buffer)
+        for m in module.modules()
+        for name in getattr(m, "agreed_buffers", ())
+        if (buffer := m._buffers.get(name)) is not None
+    }
 
 
 def shard_name(filepath: Any, rank: int, world_size: int) -> str:

@@ -11,9 +11,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.comm import Communicator
-from lightning_commstrats.compression.exchange import GradientCompression
+from lightning_commstrats.compression.exchange import BucketedAllReduce, GradientCompression
 from lightning_commstrats.moe.layer import MoELayer
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
+from lightning_commstrats.strategies.base import agreed_buffer_ids
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,9 @@ class ExpertParallelStrategy(AllReduceStrategy):
     2. dense gradients (attention, embeddings, routers...) are averaged over all ranks, by fp32
        all-reduce or by any quantization of ``onebit_sgd`` (``num_quantization_bits``);
     3. expert gradients are summed only over the ``dp`` replicas of those experts (tag
-       ``"grad_experts"``) and divided by the world size: each owner's gradient already holds its
-       expert-parallel group's tokens, so the result is the data-parallel average.
+       ``"grad_experts"``, fused into buckets of at most ``bucket_cap_mb`` as the dense ones) and
+       divided by the world size: each owner's gradient already holds its expert-parallel group's
+       tokens, so the result is the data-parallel average.
 
     Layout: ``inner="dp"`` (default) puts an expert's replicas on neighbouring ranks and spreads the
     all-to-all across them: the hierarchical choice of the 2022 paper on 174-trillion-parameter
@@ -108,6 +110,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
         self.inner = inner
         self.ep_comm: Communicator | None = None
         self.dp_comm: Communicator | None = None
+        self._expert_buckets: BucketedAllReduce | None = None
 
     @property
     def ep_size(self) -> int:
@@ -158,6 +161,8 @@ class ExpertParallelStrategy(AllReduceStrategy):
         ep_groups, dp_groups = layout_groups(self.world_size, self.dp_size, self.ep_size, self.inner)
         self.ep_comm = self.comm.new_subgroups(ep_groups)
         self.dp_comm = self.comm.new_subgroups(dp_groups)
+        # the expert gradients travel over the replicas only, fused as the dense ones are
+        self._expert_buckets = BucketedAllReduce(self.dp_comm, int(self.bucket_cap_mb * 2**20))
         for layer in layers:
             layer.shard(self.ep_comm)
         log.info(
@@ -195,14 +200,16 @@ class ExpertParallelStrategy(AllReduceStrategy):
 
     @override
     def buffers_to_sync(self) -> list[torch.Tensor]:
-        # buffers of expert modules differ by design (each rank holds other experts)
+        # buffers of expert modules differ by design (each rank holds other experts); agreed ones
+        # (the expert bias of bias balancing) are the same everywhere already
         experts = {id(p) for p in self.expert_params()}
+        agreed = agreed_buffer_ids(self.lightning_module)
         shared = []
         for module in self.lightning_module.modules():
             own = list(module.parameters(recurse=False))
             if own and all(id(p) in experts for p in own):
                 continue
-            shared.extend(module.buffers(recurse=False))
+            shared.extend(b for b in module.buffers(recurse=False) if id(b) not in agreed)
         return shared
 
     # ------------------------------------------------------------------ gradients
@@ -219,11 +226,15 @@ class ExpertParallelStrategy(AllReduceStrategy):
         # group (backward brought them through the all-to-all); summing over the replicas and
         # dividing by the world size gives the data-parallel average, as for dense parameters.
         expert_grads = [dense_grad(p) for p in params if id(p) in experts]
-        for g in expert_grads:
-            if self.dp_size > 1:
-                self.dp_comm.all_reduce(g, "sum", tag="grad_experts")
-            g.div_(self.world_size)
+        if self.dp_size > 1:
+            self._expert_buckets(expert_grads, tag="grad_experts", exchange=self._sum_replicas)
+        elif expert_grads:
+            torch._foreach_div_(expert_grads, self.world_size)
         self._clip_by_global_norm([dense_grad(p) for p in dense], expert_grads)
+
+    def _sum_replicas(self, flat: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """One bucket of expert gradients: summed over the experts' replicas, divided by the world size."""
+        return self.dp_comm.all_reduce(flat, "sum", tag="grad_experts").div_(self.world_size)
 
     def _clip_by_global_norm(self, dense: list[torch.Tensor], local: list[torch.Tensor]) -> None:
         """Clip by the norm over the whole model, the same factor on every rank.

@@ -111,3 +111,72 @@ def test_moe_shared_config_has_the_active_size_of_its_dense_twin():
     layers = model.net.moe_layers()
     assert len(layers) == config["num_layers"] and layers[0].shared is not None
     assert all(layer.active_dim == config["ffn_dim"] for layer in layers)
+
+
+def _experts_loop(experts, x, counts):
+    """The experts one after the other, as ``Experts.forward`` ran them before it batched them."""
+    outs = []
+    for e, chunk in enumerate(x.split(counts)):
+        h = torch.nn.functional.gelu(torch.addmm(experts.b1[e], chunk, experts.w1[e]))
+        outs.append(torch.addmm(experts.b2[e], h, experts.w2[e]))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    ("d", "f", "counts", "grouped"),
+    [
+        (8, 16, [5, 0, 11, 3], True),  # float32 rows of 16-byte multiples: torch's grouped GEMM
+        (8, 16, [0, 0, 0, 0], True),  # no token at all
+        (6, 10, [5, 0, 11, 3], False),  # rows that grouped_mm refuses: the padded bmm
+        (6, 10, [0, 7, 0, 0], False),
+        (6, 10, [0, 0, 0, 0], False),
+    ],
+)
+def test_batched_experts_equal_the_loop_forward_and_backward(d, f, counts, grouped):
+    from lightning_commstrats.moe.layer import Experts, grouped_mm_fits
+
+    torch.manual_seed(0)
+    experts = Experts(len(counts), d, f)
+    with torch.no_grad():  # biases that are not zero, so that their gradients are checked too
+        experts.b1.normal_()
+        experts.b2.normal_()
+    x = torch.randn(sum(counts), d, requires_grad=True)
+    weight = torch.randn(sum(counts), d)
+    assert grouped_mm_fits(x, experts.w1) == grouped
+    y = experts(x, counts)
+    (y * weight).sum().backward()
+    grads = [x.grad, *(p.grad for p in experts.parameters())]
+    assert all(g is not None for g in grads)  # every expert stays in the graph, also with no token
+    x_ref = x.detach().clone().requires_grad_()
+    for p in experts.parameters():
+        p.grad = None
+    y_ref = _experts_loop(experts, x_ref, counts)
+    (y_ref * weight).sum().backward()
+    tight = {"atol": 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(y, y_ref, **tight)
+    for got, want in zip(grads, [x_ref.grad, *(p.grad for p in experts.parameters())], strict=True):
+        torch.testing.assert_close(got, want, **tight)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert not experts.w1.grad[e].any() and not experts.b2.grad[e].any()
+
+
+def test_batched_experts_take_a_gradient_that_is_not_contiguous():
+    from lightning_commstrats.moe.layer import Experts
+
+    experts = Experts(2, 8, 8)
+    x = torch.randn(5, 8, requires_grad=True)
+    experts(x, [2, 3]).sum().backward()  # sum's gradient is an expanded (stride 0) tensor
+    torch.testing.assert_close(experts.b2.grad, torch.tensor([[2.0] * 8, [3.0] * 8]))
+
+
+def test_batched_experts_follow_autocast_as_the_loop_did():
+    from lightning_commstrats.moe.layer import Experts
+
+    experts = Experts(3, 8, 16)
+    x = torch.randn(7, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = experts(x, [3, 0, 4])
+        y_ref = _experts_loop(experts, x, [3, 0, 4])
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref, atol=1e-2, rtol=1e-2)

@@ -4,7 +4,9 @@ unsharded in one process, on every rank's tokens.
 Usage: ``moe_worker.py SPEC_JSON OUT_DIR``; SPEC: ``dp``, ``ep``, ``inner``, ``experts``, ``top_k``,
 ``balance``, ``tokens``, ``d``, ``f`` (routed experts' width); optional ``shared`` (shared expert's
 width), ``router_init_std``, ``policy`` (a half dtype: both layers then run the layered precision
-policy, experts and the all-to-all in that dtype).
+policy, experts and the all-to-all in that dtype). With ``balance="bias"`` both layers then update
+their bias once: the sharded one from the load summed over the ranks, the reference from its own
+(it saw every rank's tokens).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from rank_env import connect, finish
 
-from lightning_commstrats.moe import MoELayer
+from lightning_commstrats.moe import MoELayer, update_expert_biases
 from lightning_commstrats.precision import apply_policy, preset_rules, resolve
 from lightning_commstrats.strategies.expert_parallel import layout_groups
 
@@ -64,6 +66,7 @@ def main() -> None:
         total = total + (reference(x) * w).sum()
         ref_inputs.append(x)
     total.backward()
+    ref_load = reference.load_since_update().clone() if spec["balance"] == "bias" else None  # every rank's tokens
     x, w = data(rank)
     x.requires_grad_(True)
     before = comm.stats.by_tag.get("tokens")
@@ -86,6 +89,11 @@ def main() -> None:
     for name in ("w1", "b1", "w2", "b2"):
         grad = dp_comm.all_reduce(getattr(sharded.experts, name).grad.clone(), "sum")
         torch.testing.assert_close(grad, getattr(reference.experts, name).grad[first : first + count], **tol)
+    bias = None
+    if spec["balance"] == "bias":
+        update_expert_biases(sharded, lambda load: comm.all_reduce(load, "sum", tag="control"))
+        reference.update_bias(ref_load)
+        bias = {"sharded": sharded.expert_bias.clone(), "reference": reference.expert_bias.clone()}
     routing = sharded.routing
     per_expert = torch.bincount(routing.experts[routing.kept], minlength=spec["experts"])
     per_rank = per_expert.view(spec["ep"], -1).sum(1)
@@ -102,6 +110,7 @@ def main() -> None:
             "expert_dim": sharded.experts.w1.shape[-1],
             "first": first,
             "count": count,
+            "bias": bias,
         },
         out / f"rank{rank}.pt",
     )

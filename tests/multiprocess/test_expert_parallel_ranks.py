@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import WORKER, run_ranks
+from harness import WORKER, ring_bytes, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,6 +19,8 @@ BASE = {"experts": 4, "tokens": 24, "d": 8, "f": 16}
         (4, 2, 2, "dp", 2, "aux", None),
         (4, 2, 2, "ep", 1, "capacity", None),
         (2, 1, 2, "dp", 2, "aux", "bf16"),  # layered precision: experts and the all-to-all in bf16
+        (2, 1, 2, "dp", 2, "bias", None),
+        (4, 2, 2, "ep", 1, "bias", None),
     ],
 )
 def test_sharded_forward_and_backward_equal_the_single_process_layer(world, dp, ep, inner, top_k, balance, policy):
@@ -36,6 +38,11 @@ def test_sharded_forward_and_backward_equal_the_single_process_layer(world, dp, 
     if balance == "swipe":
         for r in results:
             assert max(r["load"]) == min(r["load"]) == BASE["tokens"] // 4 and r["dropped"] == 0
+    if balance == "bias":
+        # every rank's bias is the single-process layer's, which saw all ranks' tokens (the ranks'
+        # own loads differ: their tokens route differently)
+        for r in results:
+            assert torch.equal(r["bias"]["sharded"], r["bias"]["reference"]) and r["bias"]["sharded"].any()
 
 
 def _expert_slice(name, value, ep_rank, per_rank):
@@ -74,3 +81,46 @@ def test_expert_parallel_training_equals_data_parallel_training_and_resumes():
         results[0]["ep"]["params"]["net.blocks.1.ffn.experts.w1"],
         results[1]["ep"]["params"]["net.blocks.1.ffn.experts.w1"],
     )
+
+
+BIAS = "net.blocks.1.ffn.expert_bias"
+# TinyMoELM's experts: 4 x (w1 16 x 32 + b1 32 + w2 32 x 16 + b2 16) floats
+EXPERT_NUMEL = 4 * (16 * 32 + 32 + 32 * 16 + 16)
+
+
+def test_bias_balancing_agrees_over_ranks_and_expert_gradients_travel_in_one_bucket():
+    moe = {
+        "model": "moe",
+        "max_steps": 6,
+        "momentum": 0.0,
+        "model_kwargs": {"balance": "bias", "bias_update_rate": 0.01},
+    }
+    scenarios = {
+        "ar": {**moe, "strategy": "allreduce"},
+        "ep": {**moe, "strategy": "expert_parallel", "kwargs": {"ep_size": 2}},
+        # every rank holds all experts: their gradients are all-reduced over the two replicas
+        "dp": {**moe, "strategy": "expert_parallel", "kwargs": {"ep_size": 1, "dp_size": 2}},
+        # 16 optimizer steps of two batches: an epoch boundary, where the worker's data resumes exactly
+        "straight": {**moe, "strategy": "expert_parallel", "max_steps": 20, "accumulate": 2, "ckpt_every": 16},
+        "resumed": {**moe, "strategy": "expert_parallel", "max_steps": 20, "accumulate": 2, "resume": ["straight", 16]},
+    }
+    results = run_ranks({"scenarios": scenarios}, 2)
+    for name in scenarios:
+        first, second = (r[name]["params"][BIAS] for r in results)
+        # the ranks route other tokens, yet hold the same bias: the load that moves it is both ranks'
+        assert torch.equal(first, second), name
+        assert first.any() and torch.allclose(first / 0.01, (first / 0.01).round(), atol=1e-4), name
+    for rank, res in enumerate(results):
+        ar, ep, dp = (res[k]["params"] for k in ("ar", "ep", "dp"))
+        assert torch.equal(ar[BIAS], ep[BIAS]) and torch.equal(ar[BIAS], dp[BIAS])
+        for name, value in ep.items():
+            torch.testing.assert_close(value, _expert_slice(name, ar[name], rank, 2), atol=1e-5, rtol=1e-4)
+        for name, value in dp.items():
+            torch.testing.assert_close(value, ar[name], atol=1e-5, rtol=1e-4)
+        # one fused all-reduce of all expert gradients per step, charged as a ring over the one buffer
+        stats = res["dp"]["stats"]
+        assert stats["grad_experts/calls"] == 6
+        assert stats["grad_experts/bytes_sent"] == 6 * ring_bytes(EXPERT_NUMEL, 4, 2)
+        assert "grad_experts/calls" not in res["ep"]["stats"]  # dp = 1: nothing to sum
+        for name, value in res["straight"]["params"].items():
+            torch.testing.assert_close(res["resumed"]["params"][name], value, atol=1e-6, rtol=0)

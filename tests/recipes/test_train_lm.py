@@ -35,6 +35,16 @@ def test_tiny_moe_fit_logs_routing_metrics():
     assert float(metrics["moe/aux_loss"]) > 0
 
 
+def test_tiny_moe_fit_with_bias_balancing():
+    cli = main(["fit", "--config", "moe_tiny", "--model.balance=bias", "--model.bias_update_rate=0.01"])
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["val/ppl"]) and float(metrics["moe/dropped"]) == 0.0
+    assert cli.model.aux_loss_weight == 0.0
+    (layer,) = cli.model.net.moe_layers()
+    # six optimizer steps of +-0.01 (or 0) per expert
+    assert layer.expert_bias.any() and layer.expert_bias.abs().max() <= 0.06 + 1e-6
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
