@@ -21,13 +21,13 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
        optimizer: AdamW in the paper and in the recipes) for ``sync_period`` steps (or samples per
        worker), starting from the global model ``w``;
     2. the pseudo-gradient ``G = w - w_local`` is averaged over ranks: fp32, or ``pseudo_grad_bits``
-       per value with per-column scales and error feedback (what quantization lost is added to the
+       per value with per-row scales and error feedback (what quantization lost is added to the
        next sync's ``G``), through an all-to-all of packed stripes and an all-gather;
     3. the outer optimizer takes one step on ``w`` with ``G`` as its gradient (Nesterov SGD,
        ``lr=0.7``, ``momentum=0.9`` by default), and every rank restarts from the new ``w``.
 
     Bytes per step and rank are about ``2 (N-1)/N`` of the model times ``pseudo_grad_bits / 8``,
-    divided by ``sync_period``: ``32 H / b`` times fewer than fp32 DDP (plus the per-column scales).
+    divided by ``sync_period``: ``32 H / b`` times fewer than fp32 DDP (plus the per-row scales).
 
     Hyperparameters:
 

@@ -8,7 +8,7 @@
   ``G = w_start - mean over ranks(w_local)``: SGD with lr 1 (model averaging), the block-momentum
   filter (BMUF), Nesterov SGD (DiLoCo), or any ``torch.optim`` optimizer;
 - the exchange (:class:`~lightning_commstrats.compression.TensorExchange`) that averages ``G``:
-  fp32, 16-bit, or 8/4/2-bit codes with per-column scales and error feedback (the quantization
+  fp32, 16-bit, or 8/4/2-bit codes with per-row scales and error feedback (the quantization
   residual is added to the next sync's ``G``);
 - the schedule: the parameters in ``num_fragments`` fragments, each synced every ``sync_period``
   at its own offset; an exchange started at one step is applied ``fragment_sync_delay`` inner
@@ -82,7 +82,7 @@ class PeriodicSyncStrategy(CommStrategy):
         outer_momentum: the outer momentum, for optimizers that take one (Nesterov for SGD when > 0).
         outer_optimizer_kwargs: further arguments of the outer optimizer class.
         pseudo_grad_bits: 32, 16, 8, 4 or 2 bits per value of the averaged pseudo-gradient's
-            matrices (per-column scales, error feedback); small tensors always travel in fp32.
+            matrices (scales per ``pseudo_grad_scales``, error feedback); small tensors travel in fp32.
         pseudo_grad_scales: ``"rows"`` (default: one scale pair per row of each matrix, so every word
             of an embedding or output matrix is quantized on its own scale) or ``"columns"`` (per
             column, 1-bit SGD's layout; on a Brown LSTM's embedding the 4-bit error per row is about a
