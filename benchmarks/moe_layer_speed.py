@@ -98,8 +98,38 @@ CASES = [
     Case("moe_shared routed: 16 x 64, top-4, aux", 128, 64, 16, 4, "aux"),
     Case("64 x 32, top-1, aux", 128, 32, 64, 1, "aux"),
     Case("64 x 32, top-1, swipe", 128, 32, 64, 1, "swipe"),
-    Case("moe_demo, bf16 autocast (padded bmm)", 128, 512, 4, 1, "aux", autocast=True),
+    Case("moe_demo, bf16 autocast", 128, 512, 4, 1, "aux", autocast=True),
+    # rows of 510 floats are no multiple of 16 bytes: the padded bmm, as on CUDA
+    Case("4 x 510, top-1, aux", 128, 510, 4, 1, "aux"),
+    Case("4 x 510, top-1, swipe", 128, 510, 4, 1, "swipe"),
 ]
+
+
+def median_seconds(fns: dict[str, Callable[[], object]], rounds: int, iters: int) -> dict[str, float]:
+    """Median over ``rounds`` of each function's mean seconds over ``iters`` calls, interleaved."""
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            fns[name]()  # warm
+            start = time.perf_counter()
+            for _ in range(iters):
+                fns[name]()
+            seconds[name].append((time.perf_counter() - start) / iters)
+    return {name: statistics.median(v) for name, v in seconds.items()}
+
+
+def measure_swipe(tokens: int, experts: int, rounds: int, iters: int) -> dict[str, float]:
+    """``swipe_assign`` alone on skewed probabilities, the former against the current."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, 0] += 2.0
+    probs = logits.softmax(-1)
+    assert torch.equal(former_swipe_assign(probs), gating.swipe_assign(probs))
+    t = median_seconds(
+        {"before": lambda: former_swipe_assign(probs), "after": lambda: gating.swipe_assign(probs)}, rounds, iters
+    )
+    return {k: tokens / v for k, v in t.items()}
 
 
 def measure(case: Case, rounds: int, iters: int) -> dict[str, object]:
@@ -126,17 +156,16 @@ def measure(case: Case, rounds: int, iters: int) -> dict[str, object]:
     tol = {"atol": 2e-2, "rtol": 2e-2} if case.autocast else {"atol": 1e-5, "rtol": 1e-5}
     torch.testing.assert_close(outputs["after"], outputs["before"], **tol)
     load = layer.routing.load.float()
-    seconds: dict[str, list[float]] = {"before": [], "after": []}
-    variants: list[tuple[str, Callable]] = [("before", former), ("after", current)]
-    for r in range(rounds):
-        for name, variant in variants if r % 2 == 0 else variants[::-1]:
+
+    def under(variant: Callable) -> Callable[[], None]:
+        def run() -> None:
             with variant():
-                step()  # warm
-                start = time.perf_counter()
-                for _ in range(iters):
-                    step()
-                seconds[name].append((time.perf_counter() - start) / iters)
-    before, after = (statistics.median(seconds[k]) for k in ("before", "after"))
+                step()
+
+        return run
+
+    seconds = median_seconds({"before": under(former), "after": under(current)}, rounds, iters)
+    before, after = seconds["before"], seconds["after"]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
         grouped = grouped_mm_fits(x, layer.experts.w1)
     return {
@@ -166,6 +195,16 @@ def main() -> None:
         r = measure(case, args.rounds, args.iters)
         print(
             f"| {r['case']} | {r['balance']:.2f} | {r['experts']} | {r['before']:,.0f} | {r['after']:,.0f}"
+            f" | {r['after'] / r['before']:.2f} |",
+            flush=True,
+        )
+    print()
+    print("| swipe_assign alone | before tokens/s | after tokens/s | after / before |")
+    print("|---|---|---|---|")
+    for tokens, experts in ((1120, 4), (1120, 64), (8960, 16)):
+        r = measure_swipe(tokens, experts, args.rounds, args.iters)
+        print(
+            f"| {tokens} tokens, {experts} experts | {r['before']:,.0f} | {r['after']:,.0f}"
             f" | {r['after'] / r['before']:.2f} |",
             flush=True,
         )
