@@ -55,20 +55,32 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_mm_fits(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``torch.nn.functional.grouped_mm`` runs ``x @ weight[e]`` and the matmul after it
-    (``[rows, f] @ [f, d]``) here, with autograd.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-    torch 2.13 has a CPU grouped GEMM for float32 whose rows (``d`` and ``f`` values) are multiples
-    of 16 bytes; it is not an autocast op. On CUDA it takes bfloat16 only (SM 8.0+), which no test
-    here can run, so CUDA takes the padded ``bmm``.
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on, else ``x``'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def grouped_mm_fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` runs the experts of ``x`` (rows of ``d`` values)
+    with weights like ``weight`` (``[experts, d, f]``) here, with autograd.
+
+    torch 2.13 has a CPU grouped GEMM for float32, bfloat16 and float16 whose rows (``d`` and ``f``
+    values) are multiples of 16 bytes. It is not an autocast op: under autocast the experts cast to
+    autocast's dtype themselves. On CUDA it takes bfloat16 on SM 8.0+ only, which no test here can
+    run, so CUDA takes the padded ``bmm``.
     """
+    dtype = compute_dtype(x)
+    size = torch.empty((), dtype=dtype).element_size()
     return (
         x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and not torch.is_autocast_enabled("cpu")
-        and x.shape[-1] % 4 == 0
-        and weight.shape[-1] % 4 == 0
+        and dtype in GROUPED_MM_DTYPES
+        and weight.dtype in GROUPED_MM_DTYPES
+        and x.shape[-1] * size % 16 == 0
+        and weight.shape[-1] * size % 16 == 0
     )
 
 
@@ -78,9 +90,10 @@ class Experts(nn.Module):
     Forward runs all experts at once, two batched matmuls whatever the number of experts:
 
     - torch's grouped GEMM (``torch.nn.functional.grouped_mm``: every expert's rows, however many,
-      against its own weight, one kernel) where it runs (:func:`grouped_mm_fits`: float32 on CPU);
-    - elsewhere (half precision, CUDA) one ``baddbmm`` on ``[experts, max rows, d]``: each expert's
-      rows padded with zeros to the busiest expert's count. The padding is computed and thrown away:
+      against its own weight, one call) where it runs (:func:`grouped_mm_fits`: on CPU);
+    - elsewhere (CUDA, rows that are no multiple of 16 bytes) one ``baddbmm`` on
+      ``[experts, max rows, d]``: each expert's rows padded with zeros to the busiest expert's
+      count. The padding is computed and thrown away:
       the work is ``experts x max rows`` instead of the rows, as cheap as the loop it replaces when
       the load is even (SWIPE, bias balancing), up to ``max / mean`` load times dearer when it is not.
     """
@@ -112,10 +125,12 @@ class Experts(nn.Module):
         # all-to-alls of backward that its peers wait in.
         sizes = torch.tensor(counts, dtype=torch.long, device=x.device)
         expert = torch.repeat_interleave(torch.arange(self.count, device=x.device), sizes, output_size=x.shape[0])
-        if grouped_mm_fits(x, self.w1) and self.w2.dtype == self.w1.dtype:
+        if grouped_mm_fits(x, self.w1):
+            dtype = compute_dtype(x)
+            x, w1, b1, w2, b2 = (t.to(dtype) for t in (x, self.w1, self.b1, self.w2, self.b2))
             ends = sizes.cumsum(0).to(torch.int32)
-            h = F.gelu(F.grouped_mm(x, self.w1, offs=ends) + self.b1[expert])
-            return _DenseGrad.apply(F.grouped_mm(h, self.w2, offs=ends)) + self.b2[expert]
+            h = F.gelu(F.grouped_mm(x, w1, offs=ends) + b1[expert])
+            return _DenseGrad.apply(F.grouped_mm(h, w2, offs=ends)) + b2[expert]
         rows = max(counts, default=0)
         # row i of expert e goes to padded row e * rows + (i - first row of e)
         first = sizes.cumsum(0) - sizes

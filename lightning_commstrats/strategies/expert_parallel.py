@@ -69,7 +69,9 @@ class ExpertParallelStrategy(AllReduceStrategy):
     against how many expert weights do: ``benchmarks/moe_layout.py`` measures both.
 
     Checkpoints: each rank's experts go into the checkpoint per rank; loading onto another world
-    size or ``ep_size`` is an error (no re-sharding).
+    size or ``ep_size`` is an error (no re-sharding). The expert bias of ``balance="bias"`` is the
+    same on every rank (updated from the load summed over all ranks), saved with the model and left
+    out of the buffer averaging.
 
     Args:
         ep_size: ranks per expert-parallel group (default: the world size, i.e. ``dp = 1``).

@@ -170,13 +170,25 @@ def test_batched_experts_take_a_gradient_that_is_not_contiguous():
     torch.testing.assert_close(experts.b2.grad, torch.tensor([[2.0] * 8, [3.0] * 8]))
 
 
-def test_batched_experts_follow_autocast_as_the_loop_did():
-    from lightning_commstrats.moe.layer import Experts
+@pytest.mark.parametrize(("d", "f", "grouped"), [(8, 16, True), (6, 10, False)])
+def test_batched_experts_follow_autocast_as_the_loop_did(d, f, grouped):
+    from lightning_commstrats.moe.layer import Experts, grouped_mm_fits
 
-    experts = Experts(3, 8, 16)
-    x = torch.randn(7, 8)
+    experts = Experts(3, d, f)
+    x = torch.randn(7, d, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped_mm_fits(x, experts.w1) == grouped
         y = experts(x, [3, 0, 4])
         y_ref = _experts_loop(experts, x, [3, 0, 4])
     assert y.dtype == y_ref.dtype == torch.bfloat16
     torch.testing.assert_close(y, y_ref, atol=1e-2, rtol=1e-2)
+    y.float().sum().backward()
+    assert experts.w1.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_batched_experts_in_half_parameters_as_a_precision_policy_casts_them():
+    from lightning_commstrats.moe.layer import Experts
+
+    experts = Experts(3, 8, 16).to(torch.bfloat16)
+    x = torch.randn(7, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(experts(x, [2, 5, 0]), _experts_loop(experts, x, [2, 5, 0]), atol=1e-2, rtol=1e-2)
