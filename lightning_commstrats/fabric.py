@@ -50,7 +50,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import ReduceOp, _Stateful
 from lightning.pytorch import accelerators as pl_accelerators
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
@@ -327,19 +327,23 @@ class FabricStrategy(ParallelStrategy):
         scheme = self.scheme
         if scheme._comm is not None:
             scheme.sync_buffers()
-        converted = {}
-        for key, obj in state.items():
-            if obj is self._module:
-                converted[key] = scheme.lightning_module_state_dict()
-            else:
-                converted.update(self._convert_stateful_objects_in_state({key: obj}, filter={}))
-        for key, keep in (filter or {}).items():
-            if isinstance(converted.get(key), dict):
-                converted[key] = {k: v for k, v in converted[key].items() if keep(k, v)}
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         if scheme._comm is not None:
             converted[STATE_KEY] = scheme.checkpoint_state(path)
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The trained model as the scheme saves it (the global model for the periodic schemes)."""
+        return self.scheme.lightning_module_state_dict() if module is self._module else module.state_dict()
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if module is self._module:  # expert_parallel takes this rank's experts from its shard
+            self.scheme.load_model_state_dict({"state_dict": state_dict}, strict=strict)
+        else:
+            module.load_state_dict(state_dict, strict=strict)
 
     @override
     def load_checkpoint(
@@ -368,11 +372,9 @@ class FabricStrategy(ParallelStrategy):
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
-            if obj is self._module:
-                scheme.load_model_state_dict({"state_dict": checkpoint.pop(name)}, strict=strict)
-            elif isinstance(obj, Module):
-                obj.load_state_dict(checkpoint.pop(name), strict=strict)
-            elif hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
+            if isinstance(obj, Module):
+                self.load_module_state_dict(obj, checkpoint.pop(name), strict=strict)
+            elif isinstance(obj, _Stateful):
                 obj.load_state_dict(checkpoint.pop(name))
             else:
                 state[name] = checkpoint.pop(name)

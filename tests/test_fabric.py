@@ -89,6 +89,8 @@ def test_one_process_trains_counts_steps_and_round_trips_a_checkpoint(tmp_path):
     fabric.save(tmp_path / "a.ckpt", {"model": model, "optimizer": optimizer, "epoch": 3})
     saved = torch.load(tmp_path / "a.ckpt", weights_only=False)
     assert saved["lightning_commstrats"]["state"]["optimizer_steps"] == 5
+    fabric.save(tmp_path / "w.ckpt", {"model": model}, filter={"model": lambda k, v: k.endswith("weight")})
+    assert sorted(torch.load(tmp_path / "w.ckpt", weights_only=False)["model"]) == ["0.weight", "2.weight"]
     weights = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         for p in model.parameters():

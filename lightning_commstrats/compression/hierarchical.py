@@ -32,6 +32,12 @@ SLOW_BITS = (1, 2, 4, 8, 16, 32)
 COLUMN = 256  # values per quantized column on the slow hop (one scale pair each)
 
 
+def check_slow_bits(slow_bits: int) -> None:
+    """``slow_hop_bits`` must be one of :data:`SLOW_BITS`."""
+    if isinstance(slow_bits, bool) or slow_bits not in SLOW_BITS:
+        raise ValueError(f"slow_hop_bits={slow_bits!r} is not supported; choose one of {SLOW_BITS}")
+
+
 def group_layout(world_size: int, group_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """The groups (consecutive ranks) and the cross-group rings (ranks with the same index)."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -54,8 +60,7 @@ class TwoLevelAllReduce:
     """
 
     def __init__(self, comm: Communicator, group_size: int, slow_bits: int = 32) -> None:
-        if isinstance(slow_bits, bool) or slow_bits not in SLOW_BITS:
-            raise ValueError(f"slow_hop_bits={slow_bits!r} is not supported; choose one of {SLOW_BITS}")
+        check_slow_bits(slow_bits)
         groups, across = group_layout(comm.world_size, group_size)
         self.comm = comm
         self.group_size = group_size

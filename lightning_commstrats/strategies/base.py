@@ -55,7 +55,7 @@ from lightning_commstrats.comm import (
     resolve_backend,
 )
 from lightning_commstrats.compression.exchange import BucketedAllReduce
-from lightning_commstrats.compression.hierarchical import SLOW_BITS, TwoLevelAllReduce
+from lightning_commstrats.compression.hierarchical import TwoLevelAllReduce, check_slow_bits
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,7 @@ class CommStrategy(ParallelStrategy):
         if group_size is not None and group_size != "node":
             if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
                 raise ValueError(f"group_size must be a positive int, 'node' or None, got {group_size!r}")
-        if isinstance(slow_hop_bits, bool) or slow_hop_bits not in SLOW_BITS:
-            raise ValueError(f"slow_hop_bits={slow_hop_bits!r} is not supported; choose one of {SLOW_BITS}")
+        check_slow_bits(slow_hop_bits)
         if slow_hop_bits < 32 and group_size is None:
             raise ValueError(f"slow_hop_bits={slow_hop_bits} needs group_size (the hop between groups of ranks)")
         if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
