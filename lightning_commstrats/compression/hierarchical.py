@@ -90,8 +90,11 @@ class TwoLevelAllReduce:
         chunk = -(-n // g)
         if self._quantized is not None:  # the slow hop's chunk is cut into columns of COLUMN values
             chunk = -(-chunk // COLUMN) * COLUMN
-        padded = flat.new_zeros(chunk * g)
-        padded[:n] = flat
+        if chunk * g == n:  # no copy of the buffer when the group divides it
+            padded = flat
+        else:
+            padded = flat.new_zeros(chunk * g)
+            padded[:n] = flat
         part = self.inner.reduce_scatter(padded, "sum", tag=tag)  # fast: this group's sum of chunk i
         if self.num_groups > 1:
             if self._quantized is None:
