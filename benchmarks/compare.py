@@ -201,7 +201,7 @@ def entries() -> list[Entry]:
                 "ours",
                 {"scheme": "ring", "period": h, "scale": bits / 32},
             )
-            for bits in (8, 4)
+            for bits in (8, 4, 2)
         ),
         Entry(
             "streaming_diloco",
