@@ -274,9 +274,7 @@ class SentencePieces(Dataset):
         self.max_len = max_len
         # (sentence, first position) of every piece
         self.index = [
-            (i, start)
-            for i, s in enumerate(self.sentences)
-            for start in range(0, max(s.numel() - 1, 0), max_len)
+            (i, start) for i, s in enumerate(self.sentences) for start in range(0, max(s.numel() - 1, 0), max_len)
         ]
         if not self.index:
             raise ValueError("no sentence has a token to predict")

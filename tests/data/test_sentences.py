@@ -14,7 +14,10 @@ VOCAB, PAD, EOS = 40, 39, 1
 
 def sentences(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.cat([torch.tensor([EOS]), torch.randint(2, VOCAB - 1, (n,), generator=g), torch.tensor([EOS])]) for n in lengths]
+    return [
+        torch.cat([torch.tensor([EOS]), torch.randint(2, VOCAB - 1, (n,), generator=g), torch.tensor([EOS])])
+        for n in lengths
+    ]
 
 
 def model(arch):
@@ -42,7 +45,7 @@ def test_a_padded_batch_gives_the_loss_and_gradients_of_its_sentences_one_by_one
     ref_loss = total / tokens
     ref_grads = torch.autograd.grad(ref_loss, params)
     torch.testing.assert_close(batch_loss, ref_loss, rtol=1e-6, atol=1e-7)
-    for got, want in zip(batch_grads, ref_grads):
+    for got, want in zip(batch_grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
@@ -50,7 +53,7 @@ def test_long_sentences_are_cut_into_pieces_that_predict_every_token_once():
     (s,) = sentences([10])  # 12 tokens, 11 predictions
     pieces = SentencePieces([s], max_len=4)
     assert len(pieces) == 3 and pieces.lengths.tolist() == [4, 4, 3]
-    xs, ys = zip(*(pieces[i] for i in range(3)))
+    xs, ys = zip(*(pieces[i] for i in range(3)), strict=True)
     assert torch.equal(torch.cat(ys), s[1:]) and torch.equal(torch.cat(xs), s[:-1])
 
 
@@ -81,7 +84,9 @@ def test_brown_in_sentences_mode_with_and_without_buckets(brown_sentences):
     # both loaders serve the same examples; every validation token is there once
     valid = plain.dataset("valid")
     tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in plain.val_dataloader())
-    assert tokens == int(valid.lengths.sum()) == sum(int((y != IGNORE_INDEX).sum()) for _, y in bucketed.val_dataloader())
+    assert (
+        tokens == int(valid.lengths.sum()) == sum(int((y != IGNORE_INDEX).sum()) for _, y in bucketed.val_dataloader())
+    )
     assert tokens == plain.stream("valid").numel()  # each sentence's words and its <eos>: the stream's tokens
     x, y = next(iter(bucketed.train_dataloader()))
     assert x.shape[0] == 32 and x.shape == y.shape and x.shape[1] <= 60
