@@ -559,6 +559,13 @@ def figures(rows: list[dict[str, Any]], target: float | None, budget: float | No
     return out
 
 
+def _fewer(reference: float | None, value: float | None) -> str:
+    """``reference / value`` as "123x" (``-`` when either is unknown or the value is zero)."""
+    if not reference or not value:
+        return "-"
+    return f"{reference / value:.3g}x"
+
+
 def ratio_lines(fig: dict[str, dict[str, Any]]) -> list[str]:
     """This package's best entry against the best peer (means over seeds; lower is better)."""
     lines = []
@@ -664,13 +671,15 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, rate
         " this package's `comm_stats` (training"
         " collectives only). Comm share: seconds inside collectives / training seconds (this package's"
         " `comm_stats`; the DiLoCo peer times its outer all-reduce; unknown for DDP's hooks). Predicted comm:"
-        " the cost model's seconds per step at the link rate.",
+        " the cost model's seconds per step at the link rate. Fewer bytes than ddp: ddp's interface bytes per"
+        " step and rank in this table over the entry's (means over seeds).",
         "",
         "| run | kind | time to target s | stop (per seed) | steps | train s | s/step | median batch s"
         " | predicted comm s/step | comm s/step | comm share | MB/step/rank (interface) | MB/step/rank (comm_stats)"
-        " | final val ppl |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | fewer bytes than ddp | final val ppl |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ddp_tx = _mean(fig["ddp"]["tx"]) if "ddp" in fig else None
     for key, f in fig.items():
         runs = byk[key]
         reached = [t for t in f["ttt"] if t is not None]
@@ -697,6 +706,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, rate
             _spread([r["comm_share"] * 100 if r["comm_share"] is not None else None for r in runs], "{:.0f}%"),
             _spread([v / 1e6 if v is not None else None for v in f["tx"]], "{:.3f}"),
             _spread([v / 1e6 if v is not None else None for v in f["cs"]], "{:.3f}"),
+            _fewer(ddp_tx, _mean(f["tx"])) if f["kind"] != "limit" else "-",
             _spread([r["final_ppl"] for r in runs], "{:.1f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -137,6 +137,20 @@ class SaveConfigToRunFolder(SaveConfigCallback):
             super().setup(trainer, pl_module, stage)
 
 
+def check_model_and_data(arch: str, mode: str, num_experts: int) -> None:
+    """Refuse model and data settings that do not go together, before anything is built."""
+    if arch == "ffn" and mode != "ngram":
+        raise ValueError(f"model.arch='ffn' reads n-gram contexts: it needs data.mode='ngram', got {mode!r}")
+    if arch != "ffn" and mode == "ngram":
+        raise ValueError(f"data.mode='ngram' feeds the feed-forward LM only (model.arch='ffn'), got {arch!r}")
+    if num_experts and mode == "sentences":
+        raise ValueError(
+            "data.mode='sentences' pads batches, and padded positions would be routed to experts (taking"
+            " capacity and shifting the balance), so padding would change the result: use mode='stream'"
+            " with model.num_experts > 0"
+        )
+
+
 class LMCLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         # Lightning's own init_parser adds a plain --config; this one also takes packaged names.
@@ -156,6 +170,10 @@ class LMCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.order", "model.order")
         parser.link_arguments("data.seq_len", "model.max_seq_len")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        check_model_and_data(cfg.model.arch, cfg.data.mode, cfg.model.num_experts)
 
     def after_fit(self) -> None:
         self._report("val/ppl", "valid")

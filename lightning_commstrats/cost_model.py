@@ -13,7 +13,20 @@ number the strategies count, divided by the rate.
   column and stripe) plus the ring all-reduce of the small tensors;
 - sampled rows: the ring all-reduce of the selected rows of the vocabulary matrices and of the
   rest of the model, plus the all-gather of the word ids;
-- periodic (model averaging, BMUF, local SGD): the model's ring all-reduce divided by the period.
+- periodic (model averaging, BMUF, local SGD): the model's ring all-reduce divided by the period;
+- DiLoCo: one exchange of the pseudo-gradient every period: the matrices through the two-stage
+  quantized all-reduce with per-row scales (bits per value + two floats per row and stripe), the
+  small tensors in an fp32 ring all-reduce (fp32 throughout at 32 bits);
+- for checking the peers of the race: torch's PowerSGD hook (the rank-``r`` factors ``P`` and
+  ``Q`` of every compressed matrix and the uncompressed tensors, three fp32 all-reduces) and
+  DDP's fp16 hook (the ring at 2 bytes a value).
+
+The quantized byte counts use the codec's own payload size
+(:meth:`~lightning_commstrats.compression.ColumnCodec.payload_bytes`) and the aggregator's own
+stripes (:class:`~lightning_commstrats.compression.MatrixLayout`), so they follow the code. The
+fp32 parts are counted as one fused all-reduce; the strategies cut them into buckets (25 MiB by
+default), each rounded up to a multiple of ``N`` values: at most ``2 (N-1) 4`` bytes more per
+bucket.
 """
 
 from __future__ import annotations
@@ -22,7 +35,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from lightning_commstrats.comm import wire
+from lightning_commstrats.compression.aggregation import MatrixLayout
 from lightning_commstrats.compression.quantizers import ColumnCodec
 
 
@@ -62,29 +78,50 @@ def parameter_server(model: ModelShape, n: int, bandwidth: float) -> float:
     return seconds(2 * n * model.numel * 4, bandwidth)
 
 
-def ring_allreduce(model: ModelShape, n: int, bandwidth: float) -> float:
-    return seconds(wire.all_reduce_bytes(model.numel, 4, n), bandwidth)
+def ring_allreduce(model: ModelShape, n: int, bandwidth: float, element_size: int = 4) -> float:
+    """Seconds of a ring all-reduce of the whole model at ``element_size`` bytes a value (4: fp32,
+    ``allreduce`` and DDP; 2: DDP's fp16 compression hook)."""
+    return seconds(wire.all_reduce_bytes(model.numel, element_size, n), bandwidth)
 
 
-def quantized_bytes(shapes: Iterable[tuple[int, ...]], n: int, bits: int) -> int:
-    """Bytes rank 0 sends per step in the two-stage quantized all-reduce of these matrices."""
+def quantized_bytes(shapes: Iterable[tuple[int, ...]], n: int, bits: int, *, by_rows: bool = False) -> int:
+    """Bytes rank 0 sends in one two-stage quantized all-reduce of matrices of these shapes.
+
+    ``by_rows=False``: one scale pair per column (1-bit SGD's layout, the gradient schemes);
+    ``by_rows=True``: per row (the periodic schemes' pseudo-gradients by default). The lines of a
+    matrix are cut into ``N`` stripes (:class:`~lightning_commstrats.compression.MatrixLayout`),
+    each stripe's payload is the codec's; stage 1 sends every stripe but rank 0's own (an
+    all-to-all), stage 2 all-gathers the owners' payloads padded to the largest.
+    """
+    codec = ColumnCodec(bits)
     total = 0
     for shape in shapes:
-        rows, cols = shape[0], math.prod(shape[1:])
-        width = -(-cols // n)
-        stripes = [max(0, min((k + 1) * width, cols) - k * width) for k in range(n)]
-        per_stripe = [0 if c == 0 else ColumnCodec(bits).payload_bytes(c, rows) for c in stripes]
-        # stage 1 sends every stripe but its own; stage 2 all-gathers the largest (padded) payload
+        lay = MatrixLayout.of(torch.Size(shape), n, by_rows)
+        per_stripe = [codec.payload_bytes(c1 - c0, lay.rows) if c1 > c0 else 0 for c0, c1 in lay.stripes]
         total += sum(per_stripe) - per_stripe[0] + (n - 1) * max(per_stripe)
     return total
 
 
-def onebit(model: ModelShape, n: int, bandwidth: float, bits: int = 1, small_tensor_numel: int = 1024) -> float:
+def exchange_bytes(
+    shapes: Iterable[tuple[int, ...]], n: int, bits: int, *, by_rows: bool = False, small_tensor_numel: int = 1024
+) -> int:
+    """Bytes rank 0 sends in one averaging of tensors of these shapes at ``bits`` (what
+    :class:`~lightning_commstrats.compression.TensorExchange` sends): at 32 bits everything in an
+    fp32 ring all-reduce; below, the matrices of more than ``small_tensor_numel`` values through
+    :func:`quantized_bytes` and the rest (vectors, small matrices) in an fp32 ring all-reduce."""
+    shapes = [tuple(s) for s in shapes]
     if n == 1:
-        return 0.0
-    large = [s for s in model.shapes if len(s) >= 2 and math.prod(s) > small_tensor_numel]
-    small = sum(math.prod(s) for s in model.shapes if s not in large)
-    return seconds(quantized_bytes(large, n, bits) + wire.all_reduce_bytes(small, 4, n), bandwidth)
+        return 0
+    if bits == 32:
+        return wire.all_reduce_bytes(sum(math.prod(s) for s in shapes), 4, n)
+    large = [s for s in shapes if len(s) >= 2 and math.prod(s) > small_tensor_numel]
+    small = sum(math.prod(s) for s in shapes if not (len(s) >= 2 and math.prod(s) > small_tensor_numel))
+    return quantized_bytes(large, n, bits, by_rows=by_rows) + wire.all_reduce_bytes(small, 4, n)
+
+
+def onebit(model: ModelShape, n: int, bandwidth: float, bits: int = 1, small_tensor_numel: int = 1024) -> float:
+    """Seconds per step of ``onebit_sgd`` at ``bits`` (per-column scales), past its warm start."""
+    return seconds(exchange_bytes(model.shapes, n, bits, small_tensor_numel=small_tensor_numel), bandwidth)
 
 
 def sampled_rows(model: ModelShape, n: int, bandwidth: float, rows: int, ids_per_rank: int = 0) -> float:
@@ -99,3 +136,49 @@ def periodic(model: ModelShape, n: int, bandwidth: float, period_steps: float) -
     if not period_steps > 0:
         raise ValueError(f"period_steps must be > 0, got {period_steps}")
     return ring_allreduce(model, n, bandwidth) / period_steps
+
+
+def diloco(
+    model: ModelShape,
+    n: int,
+    bandwidth: float,
+    period_steps: float,
+    bits: int = 32,
+    *,
+    by_rows: bool = True,
+    small_tensor_numel: int = 1024,
+) -> float:
+    """Seconds per step of one pseudo-gradient exchange of the whole model every ``period_steps``
+    (``diloco``, and ``model_averaging`` / ``bmuf`` at their ``pseudo_grad_bits``), blocking."""
+    if not period_steps > 0:
+        raise ValueError(f"period_steps must be > 0, got {period_steps}")
+    nbytes = exchange_bytes(model.shapes, n, bits, by_rows=by_rows, small_tensor_numel=small_tensor_numel)
+    return seconds(nbytes, bandwidth) / period_steps
+
+
+def powersgd_bytes(shapes: Iterable[tuple[int, ...]], n: int, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Bytes one rank sends per step under torch's ``powerSGD_hook`` (past its warm start), the
+    model in one DDP bucket.
+
+    Every tensor is viewed as a ``[shape[0], rest]`` matrix with approximation rank
+    ``r = min(shape[0], rest, rank)``; it is compressed when ``(rows + cols) r min_compression_rate
+    < rows cols`` (torch's ``_should_compress``), else sent whole (vectors always are). Three fp32
+    ring all-reduces: the uncompressed tensors, the ``P`` factors (``rows x r``), the ``Q``
+    factors (``cols x r``).
+    """
+    uncompressed = ps = qs = 0
+    for shape in shapes:
+        rows = shape[0] if len(shape) else 1
+        cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            ps += rows * r
+            qs += cols * r
+        else:
+            uncompressed += rows * cols
+    return sum(wire.all_reduce_bytes(k, 4, n) for k in (uncompressed, ps, qs))
+
+
+def powersgd(model: ModelShape, n: int, bandwidth: float, rank: int = 1, min_compression_rate: float = 2.0) -> float:
+    """Seconds per step of DDP with torch's PowerSGD hook at ``rank`` (see :func:`powersgd_bytes`)."""
+    return seconds(powersgd_bytes(model.shapes, n, rank, min_compression_rate), bandwidth)

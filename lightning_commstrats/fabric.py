@@ -60,12 +60,12 @@ from typing_extensions import override
 
 from lightning_commstrats._registry import _qualname
 from lightning_commstrats.comm import CommStats, Communicator
-from lightning_commstrats.strategies.base import STATE_KEY, CommStrategy
+from lightning_commstrats.strategies.base import STATE_KEY, CommStrategy, RankDevices
 
 __all__ = ["FabricStrategy", "register_fabric_strategies"]
 
 
-class FabricStrategy(ParallelStrategy):
+class FabricStrategy(RankDevices, ParallelStrategy):
     """Runs one of the package's schemes under Lightning Fabric.
 
     Args:
@@ -127,29 +127,6 @@ class FabricStrategy(ParallelStrategy):
         return self.scheme.comm_stats
 
     # ------------------------------------------------------------------ processes and devices
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def _connect_scheme(self) -> None:
         """Hand Fabric's devices and cluster environment to the scheme (which checks them)."""

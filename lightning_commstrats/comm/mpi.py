@@ -59,6 +59,15 @@ class MPICommunicator(Communicator):
         return MPICommunicator(self.comm.Split(color=mine, key=self.rank), stats=self.stats)
 
     def _duplicate(self) -> Communicator:
+        # the second channel is used from a background thread while the main thread uses this one
+        level = self._MPI.Query_thread()
+        if level < self._MPI.THREAD_MULTIPLE:
+            names = {self._MPI.THREAD_SINGLE: "SINGLE", self._MPI.THREAD_FUNNELED: "FUNNELED"}
+            raise RuntimeError(
+                f"a background exchange needs MPI initialised with MPI_THREAD_MULTIPLE; this MPI gives"
+                f" MPI_THREAD_{names.get(level, 'SERIALIZED')}: use fragment_sync_delay=0 with backend='mpi',"
+                " or an MPI library built with thread support (the mpich wheel of the [mpi] extra has it)"
+            )
         return MPICommunicator(self.comm.Dup(), stats=self.stats)
 
     def _reduce_itemsize(self, tensor: Tensor) -> int:

@@ -139,9 +139,9 @@ class ColumnCodec:
             return positive, torch.stack([neg_mean, pos_mean])
         bins = 1 << self.bits
         k = CLIP_STDDEVS[self.bits]
-        n = x.shape[1]
-        mean = x.sum(1) / n
-        std = ((x * x).sum(1) / n - mean * mean).clamp_(min=0).sqrt_()
+        # one pass, without the cancellation of E[x^2] - mean^2 (a row far from zero keeps its spread)
+        var, mean = torch.var_mean(x, dim=1, correction=0)
+        std = var.sqrt_()
         lo = torch.maximum(mean - k * std, x.amin(1))
         hi = torch.minimum(mean + k * std, x.amax(1))
         step = (hi - lo) / bins

@@ -10,7 +10,10 @@ Pure data code (no Lightning): the DataModule in :mod:`lightning_commstrats.data
   at all, one process trains while the others wait on a file lock, and the ids are checked dense
   in ``[0, vocab_size)`` whether trained or loaded (corpora that already contain ``<unk>``, as the
   standard word-level LM corpora do, get the special token's id for it).
-- :class:`StreamWindows` and :class:`NGramWindows` turn a token stream into training examples.
+- :class:`StreamWindows` and :class:`NGramWindows` turn a token stream into training examples;
+  :class:`SentencePieces`, :class:`PadCollate` and :func:`bucket_batches` serve one sentence per
+  example, padded per batch (optionally bucketed by length), with the result of the sentences
+  taken one by one.
 """
 
 from __future__ import annotations
@@ -240,6 +243,121 @@ class StreamWindows(Dataset):
             x = torch.cat([x[: y.numel()], x.new_full((pad,), self.pad_id)])
             y = torch.cat([y, y.new_full((pad,), IGNORE_INDEX)])
         return x, y
+
+
+def encode_sentences(tok: Tokenizer, lines: Sequence[str]) -> list[Tensor]:
+    """One int64 tensor per non-blank line: ``<eos>`` (the sentence start), its ids, ``<eos>``."""
+    eos = tok.token_to_id(EOS)
+    return [
+        torch.tensor([eos, *enc.ids, eos], dtype=torch.int64)
+        for enc in tok.encode_batch([line for line in lines if line.strip()])
+    ]
+
+
+class SentencePieces(Dataset):
+    """Every sentence on its own, for next-token prediction without crossing sentence boundaries.
+
+    A sentence is ``[<eos>, w_1, ..., w_n, <eos>]``: the first ``<eos>`` stands for the start, so
+    all ``n + 1`` following tokens are predicted from the sentence alone. A sentence with more than
+    ``max_len`` predictions is cut into consecutive pieces of ``max_len`` (the next piece's input
+    starts with the token the previous one predicted last), so no token is lost and no example is
+    longer than the model accepts. Items are unpadded ``(x, y)`` pairs of equal length;
+    :class:`PadCollate` pads a batch of them.
+    """
+
+    def __init__(self, sentences: Sequence[Tensor], max_len: int) -> None:
+        if max_len <= 0:
+            raise ValueError(f"max_len must be > 0, got {max_len}")
+        if not sentences:
+            raise ValueError("no sentences")
+        self.sentences = list(sentences)
+        self.max_len = max_len
+        # (sentence, first position) of every piece
+        self.index = [
+            (i, start) for i, s in enumerate(self.sentences) for start in range(0, max(s.numel() - 1, 0), max_len)
+        ]
+        if not self.index:
+            raise ValueError("no sentence has a token to predict")
+        self.lengths = torch.tensor(
+            [min(self.max_len, self.sentences[i].numel() - 1 - start) for i, start in self.index]
+        )
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, j: int) -> tuple[Tensor, Tensor]:
+        i, start = self.index[j]
+        s = self.sentences[i]
+        n = int(self.lengths[j])
+        return s[start : start + n], s[start + 1 : start + n + 1]
+
+
+class PadCollate:
+    """Stacks ``(x, y)`` pairs of different lengths: ``x`` right-padded with ``pad_id``, ``y`` with
+    ``IGNORE_INDEX``. With causal models (the LSTM, the Transformer's causal attention) a real position
+    never sees a padded one to its right and padded targets are skipped by the loss and the
+    perplexity, so a padded batch gives the loss and gradients of its sentences taken one by one
+    (token-weighted: the batch loss is the mean over all of its real tokens)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        width = max(x.numel() for x, _ in items)
+        x = torch.full((len(items), width), self.pad_id, dtype=torch.int64)
+        y = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.int64)
+        for row, (xi, yi) in enumerate(items):
+            x[row, : xi.numel()] = xi
+            y[row, : yi.numel()] = yi
+        return x, y
+
+
+def bucket_batches(lengths: Tensor, batch_size: int, pool_batches: int, seed: int, drop_last: bool) -> list[Tensor]:
+    """Index batches of examples of similar length: the examples are shuffled (``seed``), cut into
+    pools of ``pool_batches`` batches, each pool sorted by length and cut into batches. Sorting within
+    a pool only, not over the whole split, keeps the batches' contents random from epoch to epoch of
+    the pools while cutting most of the padding; the order of the batches is left to the loader."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    if pool_batches <= 0:
+        raise ValueError(f"pool_batches must be > 0, got {pool_batches}")
+    order = torch.randperm(lengths.numel(), generator=torch.Generator().manual_seed(seed))
+    pool = batch_size * pool_batches
+    batches = []
+    for p in range(0, order.numel(), pool):
+        members = order[p : p + pool]
+        members = members[torch.argsort(lengths[members], stable=True)]
+        batches.extend(members.split(batch_size))
+    if drop_last:
+        batches = [b for b in batches if b.numel() == batch_size]
+    return batches
+
+
+class BucketedBatches(Dataset):
+    """A dataset whose items are whole padded batches (given as index batches of ``pieces``), so a
+    ``DistributedSampler`` shards and shuffles batches, not examples (load with ``batch_size=None``)."""
+
+    def __init__(self, pieces: Dataset, batches: Sequence[Tensor], pad_id: int) -> None:
+        if not batches:
+            raise ValueError("no batch: fewer examples than one batch")
+        self.pieces = pieces
+        self.batches = list(batches)
+        self.collate = PadCollate(pad_id)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.collate([self.pieces[int(j)] for j in self.batches[i]])
+
+
+def padding_fraction(batches: Iterable[tuple[Tensor, Tensor]]) -> float:
+    """Share of the positions of these batches whose target is padding."""
+    pad = total = 0
+    for _, y in batches:
+        pad += int((y == IGNORE_INDEX).sum())
+        total += y.numel()
+    return pad / max(total, 1)
 
 
 class NGramWindows(Dataset):

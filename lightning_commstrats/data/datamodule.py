@@ -17,10 +17,15 @@ from lightning_commstrats.data.corpus import (
     EOS,
     PAD,
     TOKENIZER_KINDS,
+    BucketedBatches,
     NGramWindows,
+    PadCollate,
+    SentencePieces,
     StreamWindows,
+    bucket_batches,
     check_text_file,
     default_cache_dir,
+    encode_sentences,
     encode_stream,
     file_digest,
     load_tokenizer,
@@ -29,7 +34,7 @@ from lightning_commstrats.data.corpus import (
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
-MODES = ("stream", "ngram")
+MODES = ("stream", "ngram", "sentences")
 
 
 def _find(data_dir: Path, split: str) -> Path:
@@ -45,7 +50,11 @@ class LMDataModule(L.LightningDataModule):
     Text is loaded with ``datasets`` (``load_dataset("text", data_files=...)`` for local files, or a
     hub dataset by name when online), tokenized with a ``tokenizers`` model trained on the train
     split and cached next to the data, and served as contiguous windows (``mode="stream"``, for
-    the LSTM and Transformer LMs) or n-gram contexts (``mode="ngram"``, for the feed-forward LM).
+    the LSTM and Transformer LMs), n-gram contexts (``mode="ngram"``, for the feed-forward LM), or
+    one sentence per example (``mode="sentences"``, for the LSTM and Transformer LMs): each
+    sentence starts from a fresh state, batches are right-padded to their longest sentence and the
+    padding is masked, so a batch gives the loss and gradients of its sentences taken one by one.
+    ``bucket_by_length`` groups sentences of similar length into batches to cut the padding.
 
     Under a distributed strategy Lightning shards every split with a ``DistributedSampler``: each
     rank reads only its own partition (CNTK's ``distributedMBReading``), reshuffled each epoch from
@@ -59,8 +68,14 @@ class LMDataModule(L.LightningDataModule):
         tokenizer: ``"word"`` (the paper's word vocabulary with ``<unk>``) or ``"bpe"``.
         max_vocab_size: vocabulary cap, special tokens included (the paper: about 49k, all words).
         min_frequency: rarer words map to ``<unk>``.
-        mode: ``"stream"`` or ``"ngram"``.
-        seq_len: tokens per window in stream mode (BPTT length).
+        mode: ``"stream"``, ``"ngram"`` or ``"sentences"``.
+        seq_len: tokens per window in stream mode (BPTT length); in sentences mode the most
+            predictions per example (longer sentences are cut into consecutive pieces).
+        bucket_by_length: sentences mode only: batches of sentences of similar length, formed once
+            per split (seeded by ``bucket_seed``) within pools of ``bucket_pool`` batches; the
+            loader shuffles the order of the batches each epoch (and shards them over ranks).
+        bucket_pool: batches per pool sorted by length.
+        bucket_seed: seed of the grouping.
         order: n-gram order in ngram mode (5: four context words).
         batch_size: examples per batch and rank.
         num_workers: DataLoader workers.
@@ -83,6 +98,9 @@ class LMDataModule(L.LightningDataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         cache_dir: str | None = None,
+        bucket_by_length: bool = False,
+        bucket_pool: int = 50,
+        bucket_seed: int = 0,
     ) -> None:
         super().__init__()
         if tokenizer not in TOKENIZER_KINDS:
@@ -101,6 +119,10 @@ class LMDataModule(L.LightningDataModule):
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if bucket_by_length and mode != "sentences":
+            raise ValueError(f"bucket_by_length=True needs mode='sentences', got mode={mode!r}")
+        if bucket_pool <= 0:
+            raise ValueError(f"bucket_pool must be > 0, got {bucket_pool}")
         if data_dir is not None and dataset_name is not None:
             raise ValueError("give data_dir or dataset_name, not both")
         self.save_hyperparameters()
@@ -114,6 +136,9 @@ class LMDataModule(L.LightningDataModule):
         self.order = order
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.bucket_by_length = bucket_by_length
+        self.bucket_pool = bucket_pool
+        self.bucket_seed = bucket_seed
         self.files: dict[str, Path] = {}
         if dataset_name is None:
             root = Path(data_dir) if data_dir is not None else BROWN_DIR
@@ -206,22 +231,39 @@ class LMDataModule(L.LightningDataModule):
         self.tokenizer  # noqa: B018 - trains and caches once, on the first rank of each node
 
     def dataset(self, split: str) -> Dataset:
+        """The split's examples (in sentences mode unpadded; :meth:`loader` pads them per batch)."""
+        if self.mode == "sentences":
+            return SentencePieces(encode_sentences(self.tokenizer, self.text(split)), self.seq_len)
         s = self.stream(split)
         if self.mode == "stream":
             return StreamWindows(s, self.seq_len, self.pad_id)
         return NGramWindows(s, self.order, self.eos_id)
 
-    def train_dataloader(self) -> DataLoader:
+    def loader(self, split: str, train: bool) -> DataLoader:
+        """The split's DataLoader: shuffled with whole batches only for training."""
+        data = self.dataset(split)
+        if self.mode == "sentences" and self.bucket_by_length:
+            batches = bucket_batches(data.lengths, self.batch_size, self.bucket_pool, self.bucket_seed, drop_last=train)
+            return DataLoader(
+                BucketedBatches(data, batches, self.pad_id),
+                batch_size=None,
+                shuffle=train,
+                num_workers=self.num_workers,
+            )
         return DataLoader(
-            self.dataset("train"),
+            data,
             batch_size=self.batch_size,
-            shuffle=True,
+            shuffle=train,
             num_workers=self.num_workers,
-            drop_last=True,
+            drop_last=train,
+            collate_fn=PadCollate(self.pad_id) if self.mode == "sentences" else None,
         )
 
+    def train_dataloader(self) -> DataLoader:
+        return self.loader("train", train=True)
+
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset("valid"), batch_size=self.batch_size, num_workers=self.num_workers)
+        return self.loader("valid", train=False)
 
     def test_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset("test"), batch_size=self.batch_size, num_workers=self.num_workers)
+        return self.loader("test", train=False)

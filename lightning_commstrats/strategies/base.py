@@ -69,7 +69,39 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
 
-class CommStrategy(ParallelStrategy):
+class RankDevices:
+    """Devices, processes and the data sharding of one process per device, as ``ddp`` has them: the
+    part both front ends (the Trainer's :class:`CommStrategy` and Fabric's ``FabricStrategy``) share,
+    for their two Lightning base classes."""
+
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+    global_rank: int
+    _num_nodes: int
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+
+class CommStrategy(RankDevices, ParallelStrategy):
     """Multi-process data parallelism whose communication is done by the package's communicator.
 
     Args:
@@ -228,29 +260,6 @@ class CommStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         """Tells Lightning to shard the data with a distributed sampler."""
         return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @override
     def _configure_launcher(self) -> None:

@@ -14,7 +14,7 @@ from lightning_commstrats.outer import (
     block_momentum_from_time_constant,
     time_constant_from_block_momentum,
 )
-from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy
+from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy, refuse_outer_arguments
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class BMUFStrategy(PeriodicSyncStrategy):
         pseudo_grad_bits: int = 32,
         **kwargs: Any,
     ) -> None:
+        refuse_outer_arguments(kwargs, "BMUFStrategy", "block_momentum, block_learning_rate and use_nesterov_momentum")
         if block_momentum is not None and block_momentum_as_time_constant is not None:
             raise ValueError(
                 "give block_momentum or block_momentum_as_time_constant, not both"

@@ -64,6 +64,19 @@ class _Exchange:
     nonfinite: list[str] | None = None  # names whose average is not finite (set when it lands)
 
 
+OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
+
+
+def refuse_outer_arguments(kwargs: dict[str, Any], owner: str, instead: str) -> None:
+    """A preset with its own outer step takes no outer-optimizer argument: say so rather than drop it."""
+    given = [name for name in OUTER_ARGUMENTS if name in kwargs]
+    if given:
+        raise ValueError(
+            f"{owner} has a fixed outer step and does not take {', '.join(given)} (its settings: {instead});"
+            " for another outer optimizer use DiLoCoStrategy or PeriodicSyncStrategy"
+        )
+
+
 class PeriodicSyncStrategy(CommStrategy):
     """Local training; every ``sync_period`` an outer optimizer steps the global model with the averaged
     pseudo-gradient. The base of the periodic schemes, usable directly with any outer optimizer.
@@ -139,6 +152,11 @@ class PeriodicSyncStrategy(CommStrategy):
             raise ValueError(f"num_fragments={num_fragments} must be <= sync_period={sync_period}")
         if isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int) or fragment_sync_delay < 0:
             raise ValueError(f"fragment_sync_delay must be an int >= 0, got {fragment_sync_delay!r}")
+        if fragment_sync_delay and sync_period_unit != "steps":
+            raise ValueError(
+                f"fragment_sync_delay={fragment_sync_delay} counts optimizer steps: it needs"
+                f" sync_period_unit='steps', got {sync_period_unit!r}"
+            )
         if fragment_sync_delay and fragment_sync_delay * num_fragments >= sync_period:
             raise ValueError(
                 f"fragment_sync_delay={fragment_sync_delay} must be < sync_period / num_fragments ="
@@ -170,6 +188,7 @@ class PeriodicSyncStrategy(CommStrategy):
         self._inflight: _Exchange | None = None
         self._exchange: TensorExchange | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._side_stream: torch.cuda.Stream | None = None  # the background exchange's, on CUDA
         self._stash: list[Tensor] | None = None  # local weights while validation uses the global model
         # (fragment, step its exchange started after, step its result was applied after), recent syncs
         self.sync_history: deque[tuple[int, int, int]] = deque(maxlen=1024)
@@ -257,11 +276,14 @@ class PeriodicSyncStrategy(CommStrategy):
         self.started = True
         if self._fused is not None:  # the warm start's gradient exchange is over: free its buffers
             self._fused.release("grad")
-        now, h, f = self._progress(), self.sync_period, self.num_fragments
-        # fragment k first syncs (k + 1) H / F units from now, then every H: the fragments take turns
-        self._block_start = [now - h + (k + 1) * h // f for k in range(f)]
+        self._stagger()
         self.outer = OuterOptimizer(self.outer_factory())
-        self.outer.start([self.flat_weights(k) for k in range(f)])
+        self.outer.start([self.flat_weights(k) for k in range(self.num_fragments)])
+
+    def _stagger(self) -> None:
+        """Fragment k next syncs (k + 1) H / F units from now, then every H: the fragments take turns."""
+        now, h, f = self._progress(), self.sync_period, self.num_fragments
+        self._block_start = [now - h + (k + 1) * h // f for k in range(f)]
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
@@ -304,10 +326,26 @@ class PeriodicSyncStrategy(CommStrategy):
         if background and self.world_size > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
-            pending.future = self._pool.submit(self.average_pseudo_gradient, named)
+            side = None
+            if grad.is_cuda:
+                # its own stream: training kernels queued meanwhile must not wait behind the
+                # exchange's collectives (nor the main thread's collectives behind them). It starts
+                # after the work that made ``grad``; wait_for_exchange joins it back.
+                if self._side_stream is None:
+                    self._side_stream = torch.cuda.Stream(device=grad.device)
+                side = self._side_stream
+                side.wait_stream(torch.cuda.current_stream(grad.device))
+            pending.future = self._pool.submit(self._exchange_on, side, named)
         else:
             pending.nonfinite = self.average_pseudo_gradient(named)
         self._inflight = pending
+
+    def _exchange_on(self, stream: torch.cuda.Stream | None, named: dict[str, Tensor]) -> list[str]:
+        """The background thread's work: the average, on ``stream`` when on CUDA."""
+        if stream is None:
+            return self.average_pseudo_gradient(named)
+        with torch.cuda.stream(stream):
+            return self.average_pseudo_gradient(named)
 
     def average_pseudo_gradient(self, named: dict[str, Tensor]) -> list[str]:
         """Average the named pseudo-gradient tensors over ranks in place (identical on every rank);
@@ -348,6 +386,9 @@ class PeriodicSyncStrategy(CommStrategy):
             if self._progress() - self._block_start[k] > 0:
                 self._launch(k, background=False)
                 self._apply()
+        # every fragment is in sync now: they take turns again from here, as at the start (a run
+        # resumed from a checkpoint saved after this must not find every fragment due at once)
+        self._stagger()
 
     def _named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
         views, offset = {}, 0
@@ -451,12 +492,18 @@ class PeriodicSyncStrategy(CommStrategy):
         if self._inflight is not None and self._inflight.future is not None:
             self._inflight.nonfinite = self._inflight.future.result()
             self._inflight.future = None
+            if self._side_stream is not None:  # everything the thread queued is before this point
+                torch.cuda.current_stream(self._side_stream.device).wait_stream(self._side_stream)
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
         self.wait_for_exchange()
+        # During validation the parameters hold the global model and the local weights are set
+        # aside; a checkpoint saved then (ModelCheckpoint runs before this strategy's
+        # on_validation_end) must keep the local ones.
+        local = self.flat_weights() if self._stash is None else flatten([t.float() for t in self._stash])
         return {
-            "weights": self.flat_weights(),
+            "weights": local,
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "exchange": self.exchange.state_dict() if self._exchange is not None else None,
         }
@@ -586,6 +633,7 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
         pseudo_grad_bits: int = 32,
         **kwargs: Any,
     ) -> None:
+        refuse_outer_arguments(kwargs, "ModelAveragingStrategy", "nothing: its outer step is the plain average")
         super().__init__(
             sync_period=sync_period,
             sync_period_unit=sync_period_unit,

@@ -187,7 +187,9 @@ def test_ngram_windows_see_exactly_the_previous_words():
         ({"seq_len": 0}, "seq_len must be > 0, got 0"),
         ({"order": 1}, r"order \(n-gram order\) must be >= 2, got 1"),
         ({"tokenizer": "char"}, "tokenizer='char' is not supported"),
-        ({"mode": "sentences"}, "mode='sentences' is not supported"),
+        ({"mode": "words"}, "mode='words' is not supported"),
+        ({"bucket_by_length": True}, "bucket_by_length=True needs mode='sentences', got mode='stream'"),
+        ({"mode": "sentences", "bucket_pool": 0}, "bucket_pool must be > 0, got 0"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, message):

@@ -51,8 +51,9 @@ def test_tiny_moe_fit_with_bias_balancing():
         [],
         ["--model.arch=ffn", "--data.mode=ngram", "--data.order=3"],
         ["--model.arch=transformer", "--model.num_heads=2", "--data.tokenizer=bpe"],
+        ["--data.mode=sentences", "--data.bucket_by_length=true"],
     ],
-    ids=["lstm", "ffn", "transformer-bpe"],
+    ids=["lstm", "ffn", "transformer-bpe", "lstm-sentences"],
 )
 def test_tiny_fit_then_test_one_rank(overrides):
     cli = main(["fit", "--config", TINY, *overrides])

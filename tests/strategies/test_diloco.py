@@ -5,7 +5,8 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_commstrats import DiLoCoStrategy, StreamingDiLoCoStrategy
+from lightning_commstrats import BMUFStrategy, DiLoCoStrategy, ModelAveragingStrategy, StreamingDiLoCoStrategy
+from lightning_commstrats.strategies.base import STATE_KEY
 from lightning_commstrats.strategies.periodic import fragment_bounds
 
 
@@ -33,6 +34,14 @@ from lightning_commstrats.strategies.periodic import fragment_bounds
         (DiLoCoStrategy, {"outer_optimizer": 3}, "outer_optimizer=3 must be a class path"),
         (DiLoCoStrategy, {"outer_lr": -1.0}, "outer_lr must be a number > 0, got -1.0"),
         (DiLoCoStrategy, {"outer_optimizer_kwargs": {"dampening": -3}}, "outer_optimizer=None could not be built"),
+        (
+            DiLoCoStrategy,
+            {"sync_period": 64, "sync_period_unit": "samples", "fragment_sync_delay": 3},
+            "fragment_sync_delay=3 counts optimizer steps: it needs sync_period_unit='steps', got 'samples'",
+        ),
+        (BMUFStrategy, {"outer_lr": 0.1}, "BMUFStrategy has a fixed outer step and does not take outer_lr"),
+        (BMUFStrategy, {"outer_optimizer": "torch.optim.Adam"}, "does not take outer_optimizer"),
+        (ModelAveragingStrategy, {"outer_momentum": 0.9}, "ModelAveragingStrategy has a fixed outer step"),
     ],
 )
 def test_bad_arguments_fail_at_construction(cls, kwargs, message):
@@ -88,3 +97,53 @@ def test_one_device_trains_and_ends_on_the_global_model():
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(final, strategy.global_weights(), atol=0, rtol=0)
     assert strategy.comm_stats.bytes_sent == 0
+
+
+class _RecordLocalWeights(L.Callback):
+    """Placed before ModelCheckpoint: what the ranks' local weights are at each validation's end."""
+
+    def __init__(self):
+        self.local = {}
+
+    def on_validation_end(self, trainer, pl_module):
+        stash = trainer.strategy._stash
+        if stash is not None:
+            self.local[trainer.global_step] = torch.cat([t.reshape(-1) for t in stash]).clone()
+
+
+def test_a_checkpoint_saved_at_validation_keeps_the_local_weights_not_the_global_model(tmp_path):
+    torch.manual_seed(0)
+    record = _RecordLocalWeights()
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{step}")
+    strategy = DiLoCoStrategy(sync_period=10)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=15,
+        val_check_interval=5,
+        limit_val_batches=1,
+        logger=False,
+        callbacks=[record, ckpt],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    saved = torch.load(tmp_path / "step=5.ckpt", weights_only=False)
+    local = saved[STATE_KEY]["rank"]["weights"]
+    global_model = torch.cat([v.reshape(-1) for v in saved["state_dict"].values()])
+    assert not torch.equal(record.local[5], global_model)  # mid-block: the two differ
+    torch.testing.assert_close(local, record.local[5], atol=0, rtol=0)
+
+
+def test_after_the_final_sync_fragments_take_turns_again_and_a_resumed_run_goes_on(tmp_path):
+    torch.manual_seed(0)
+    strategy = StreamingDiLoCoStrategy(sync_period=8, num_fragments=2, fragment_sync_delay=1)
+    trainer = _trainer(strategy, steps=5)
+    trainer.fit(BoringModel())
+    assert strategy._block_start == [1, 5]  # as at a start from step 5: fragment 0 due at 9, fragment 1 at 13
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    resumed = StreamingDiLoCoStrategy(sync_period=8, num_fragments=2, fragment_sync_delay=1)
+    _trainer(resumed, steps=20).fit(BoringModel(), ckpt_path=tmp_path / "end.ckpt")
+    # (fragment, step its exchange started after, step applied after): the rotation goes on, then the final sync
+    assert list(resumed.sync_history) == [(0, 9, 10), (1, 13, 14), (0, 17, 18), (0, 20, 20), (1, 20, 20)]

@@ -1,0 +1,244 @@
+"""The strategy advisor: ranking by predicted step time, clear errors, the command, and its
+predictions against the race's measured step times."""
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_commstrats import advisor
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.cost_model import ModelShape
+
+REPO = Path(__file__).resolve().parents[1]
+RACE = REPO / "benchmarks" / "results" / "standard"
+
+# A small model: a (1000, 64) matrix, a bias of 64 and a (256, 64) matrix; 4 ranks, 100 Mbit/s.
+SHAPES = [(1000, 64), (64,), (256, 64)]
+N, B = 4, 100e6
+
+
+def test_candidates_are_ranked_by_predicted_step_with_hand_computed_times():
+    compute = 0.01
+    found = advisor.advise(
+        SHAPES,
+        bandwidth_bits=B,
+        compute_seconds=compute,
+        ranks=N,
+        candidates=[
+            ("allreduce", {}),
+            ("diloco", {"sync_period": 8, "pseudo_grad_bits": 32}),
+            ("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}),
+            ("onebit_sgd", {"num_quantization_bits": 1}),
+        ],
+    )
+    # allreduce: ring of 80448 values, 2 (N-1) ceil(80448 / 4) 4 bytes = 6 * 20112 * 4
+    ring = 6 * 20112 * 4
+    # 4-bit per-row DiLoCo: (1000, 64) in stripes of 250 rows: 250 * 2 * 4 scale bytes + 250 * 64 / 2 code
+    # bytes = 10000 per stripe, 3 sent in the all-to-all and 3 in the all-gather; (256, 64): 64 rows a
+    # stripe, 512 + 2048 = 2560, 6 times; the bias in fp32: 6 * 16 * 4
+    diloco4 = 6 * 10000 + 6 * 2560 + 6 * 16 * 4
+    # 1-bit per column: (1000, 64) in stripes of 16 columns: 16 * 8 + 16 * 1000 / 8 = 2128; (256, 64): 128 + 512
+    onebit = 6 * 2128 + 6 * 640 + 6 * 16 * 4
+    expected = [
+        ("diloco", compute + diloco4 * 8 / B / 8, diloco4 / 8),
+        ("onebit_sgd", compute + onebit * 8 / B, onebit),
+        ("diloco", compute + ring * 8 / B / 8, ring / 8),
+        ("allreduce", compute + ring * 8 / B, ring),
+    ]
+    assert [c.scheme for c in found] == [e[0] for e in expected]
+    for c, (_, step, nbytes) in zip(found, expected, strict=True):
+        assert c.step_seconds == pytest.approx(step)
+        assert c.bytes_per_step == pytest.approx(nbytes)
+        assert c.comm_seconds == pytest.approx(step - compute)
+    assert found[0].settings == {"sync_period": 8, "pseudo_grad_bits": 4}
+    assert not found[-1].changes_optimisation and "quality must be checked" in found[0].note
+
+
+def test_streaming_diloco_stalls_only_for_what_its_delay_does_not_hide():
+    # two fragments: the (1000, 64) matrix alone, then the bias and the (256, 64) matrix
+    first, second = 6 * 10000, 6 * 2560 + 6 * 16 * 4  # bytes of each fragment's 4-bit exchange
+    settings = {"sync_period": 8, "num_fragments": 2, "fragment_sync_delay": 1, "pseudo_grad_bits": 4}
+
+    def step(compute):
+        return advisor.predict(
+            "streaming_diloco", settings, ModelShape(tuple(SHAPES)), bandwidth_bits=B, compute_seconds=compute, ranks=N
+        )
+
+    hidden = step(0.01)  # both exchanges (4.8 ms and 1.26 ms) fit behind one 10 ms step
+    assert hidden.step_seconds == pytest.approx(0.01)
+    assert hidden.comm_seconds == pytest.approx((first + second) * 8 / B / 8)
+    short = step(0.002)  # the first fragment's 4.8 ms is 2.8 ms longer than one step; the second hides
+    assert short.step_seconds == pytest.approx(0.002 + (first * 8 / B - 0.002) / 8)
+
+
+def test_the_recommendation_prefers_the_exact_scheme_when_the_link_is_fast():
+    found = advisor.advise(SHAPES, bandwidth_bits=1e12, compute_seconds=0.1, ranks=N)
+    assert advisor.recommend(found).scheme == "allreduce"
+    slow = advisor.advise(SHAPES, bandwidth_bits=1e6, compute_seconds=0.1, ranks=N)
+    assert advisor.recommend(slow).changes_optimisation
+    assert advisor.recommend(slow).step_seconds <= 1.05 * slow[0].step_seconds
+
+
+def test_one_rank_communicates_nothing():
+    for c in advisor.advise(SHAPES, bandwidth_bits=B, compute_seconds=0.5, ranks=1):
+        assert c.comm_seconds == 0 and c.step_seconds == 0.5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bandwidth_bits": 0}, "bandwidth_bits"),
+        ({"bandwidth_bits": -5.0}, "bandwidth_bits"),
+        ({"bandwidth_bits": math.inf}, "bandwidth_bits"),
+        ({"ranks": 0}, "ranks must be an int >= 1"),
+        ({"ranks": 2.0}, "ranks must be an int >= 1"),
+        ({"compute_seconds": -0.1}, "compute_seconds"),
+        ({"candidates": ["allreduce", "no_such_scheme"]}, "candidates: unknown scheme 'no_such_scheme'"),
+        ({"candidates": [("diloco", {"period": 8})]}, r"settings \['period'\]"),
+        ({"candidates": [("diloco", {"sync_period": 8, "pseudo_grad_bits": 3})]}, "pseudo_grad_bits=3"),
+        ({"candidates": [("bmuf", {"sync_period": 8, "sync_period_unit": "samples"})]}, "sync_period_unit"),
+        ({"candidates": ["sampled_vocab"], "vocab_size": 1000}, "vocab_size and vocab_width"),
+    ],
+)
+def test_bad_input_raises_a_value_error_naming_the_argument(kwargs, match):
+    args = {"bandwidth_bits": B, "compute_seconds": 0.1, "ranks": N, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        advisor.advise(SHAPES, **args)
+
+
+def test_a_model_without_parameters_is_refused():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        advisor.advise([], bandwidth_bits=B, compute_seconds=0.1, ranks=N)
+    with pytest.raises(ValueError, match="model_or_shapes must be"):
+        advisor.advise(3, bandwidth_bits=B, compute_seconds=0.1, ranks=N)
+
+
+def test_sampled_rows_estimate_by_hand():
+    # V = 4, the most frequent word always, no random words, one token: rows = 1 + p2 + p3 + p4 with
+    # p_r = (1/r) / H_4, H_4 = 25/12: (1/2 + 1/3 + 1/4) * 12/25 = 13/25
+    assert advisor.expected_sampled_rows(4, 1, 0, 1) == pytest.approx(1 + 13 / 25)
+    # every random word drawn: every row goes
+    assert advisor.expected_sampled_rows(4, 1, 4, 0) == pytest.approx(4)
+
+
+def test_the_vocabulary_of_a_packaged_model_comes_from_its_declaration():
+    shape, tokens = advisor.model_from_config("lstm_tiny")
+    # lstm_tiny: 2000 words, tied 32-wide embedding/output matrix plus the output bias: 33 per row
+    assert (shape.vocab_size, shape.vocab_width) == (2000, 33)
+    assert shape.shapes[0] == (2000, 32)
+    assert tokens == 8 * (20 + 1)
+
+
+def test_the_command_prints_a_table_for_a_packaged_config(capsys):
+    args = ["--config", "lstm_tiny", "--bandwidth", "100", "--compute-seconds", "0.05", "--ranks", "2"]
+    assert advisor.main(args) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: **" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    schemes = {line.split("|")[2].strip() for line in rows}
+    assert {"allreduce", "onebit_sgd", "sampled_vocab", "diloco", "streaming_diloco", "bmuf"} <= schemes
+    steps = [float(line.split("|")[4]) for line in rows]
+    assert steps == sorted(steps)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--bandwidth", "0", "--bandwidth must be a finite rate > 0 Mbit/s, got 0"),
+        ("--compute-seconds", "-1", "--compute-seconds must be a finite number of seconds >= 0, got -1"),
+        ("--ranks", "0", "--ranks must be >= 1, got 0"),
+        ("--schemes", "nope", "candidates: unknown scheme 'nope'"),
+    ],
+)
+def test_the_command_refuses_bad_values_naming_the_option(option, value, message, capsys):
+    args = {"--bandwidth": "100", "--compute-seconds": "0.05", "--ranks": "2", option: value}
+    with pytest.raises(SystemExit) as err:
+        advisor.main(["--config", "lstm_tiny", *(x for kv in args.items() for x in kv)])
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_reads_parameter_shapes_from_json(tmp_path, capsys):
+    path = tmp_path / "shapes.json"
+    path.write_text('{"shapes": [[1000, 64], [64], [256, 64]], "vocab_size": 1000, "vocab_width": 64}')
+    args = ["--shapes", str(path), "--bandwidth", "100", "--compute-seconds", "0.01", "--ranks", "4"]
+    assert advisor.main([*args, "--schemes", "allreduce", "sampled_vocab", "--sampled-rows", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "80,448 parameters in 3 tensors, vocabulary 1000 x 64" in out
+    # allreduce: 6 * 20112 * 4 bytes = 0.482688 MB; sampled_vocab: 100 rows of 64 and the other 16448
+    # values in rings (6 * 1600 * 4 + 6 * 4112 * 4) and the 8-byte length all-gather (3 * 8)
+    ring = 6 * 20112 * 4
+    assert f"| allreduce | - | {0.01 + ring * 8 / B:.4g} | {ring * 8 / B:.4g} | {ring / 1e6:.4g} |" in out
+    sampled = 6 * 1600 * 4 + 6 * 4112 * 4 + 3 * 8
+    assert f"| sampled_vocab | alpha=0.2, beta=0.1 | {0.01 + sampled * 8 / B:.4g} |" in out
+    assert f"| {sampled / 1e6:.4g} |" in out
+
+
+def test_the_command_is_installed_as_commstrats_advise():
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'commstrats-advise = "lightning_commstrats.advisor:main"' in text
+
+
+class _SlowLink(Communicator):
+    """Two ranks seen from rank 0; an all-reduce takes its ring bytes over ``rate`` bits/s."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__(rank=0, world_size=2)
+        self.rate = rate
+
+    def _all_reduce(self, tensor, op):
+        # 2 ranks: a ring all-reduce sends 2 (2 - 1) ceil(K / 2) = K values
+        time.sleep(tensor.numel() * tensor.element_size() * 8 / self.rate)
+
+    def _barrier(self):
+        pass
+
+    _reduce_scatter = _all_gather = _all_to_all = _broadcast = _all_reduce
+
+
+def test_measure_bandwidth_times_an_all_reduce_of_known_size():
+    numel = 1 << 16  # 262144 bytes on the wire: 50 ms at the rate below
+    rate = numel * 4 * 8 / 0.05
+    measured = advisor.measure_bandwidth(_SlowLink(rate), numel=numel, repeats=3)
+    assert 0.5 * rate < measured <= 1.01 * rate
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        advisor.measure_bandwidth(_OneRank(), numel=numel)
+
+
+class _OneRank(_SlowLink):
+    def __init__(self) -> None:
+        Communicator.__init__(self, rank=0, world_size=1)
+
+
+def test_a_module_is_read_with_its_declared_vocabulary():
+    from lightning_commstrats.models import LanguageModel
+
+    with torch.device("meta"):
+        model = LanguageModel(vocab_size=500, embed_dim=16, hidden_dim=16, tie_weights=False)
+    shape = advisor.model_shape(model)
+    assert (shape.vocab_size, shape.vocab_width) == (500, 16 + 16 + 1)  # embedding, output weight, output bias
+
+
+def _race_check():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import advisor_check
+
+    if not list(RACE.glob("rate*/results.json")):
+        pytest.skip(f"no committed race results under {RACE}")
+    try:
+        return advisor_check.check(RACE, "results")
+    except FileNotFoundError as err:
+        pytest.skip(f"the committed race results cannot be checked: {err}")
+
+
+def test_predictions_are_within_25_percent_of_the_race_measurements():
+    records = _race_check()
+    assert records, "no race entry could be predicted"
+    schemes = {r["scheme"] for r in records}
+    assert {"ddp", "diloco"} <= schemes  # both a peer and one of ours are checked
+    off = [(r["rate"], r["key"], round(r["ratio"], 3)) for r in records if not 0.75 <= r["ratio"] <= 1.25]
+    assert not off, f"predicted / measured s/step outside 25%: {off}"
