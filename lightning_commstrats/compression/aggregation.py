@@ -209,6 +209,14 @@ class QuantizedAllReduce:
         c0, c1 = lay.stripes[rank]
         return self.codec.payload_bytes(c1 - c0, lay.rows) if c1 > c0 else 0
 
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        """Both stages' error-feedback residuals, per tensor name (rank-local)."""
+        return {"residuals": dict(self.residuals), "residuals2": dict(self.residuals2)}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        self.residuals = {n: r.float() for n, r in state.get("residuals", {}).items()}
+        self.residuals2 = {n: r.float() for n, r in state.get("residuals2", {}).items()}
+
     def reset(self) -> None:
         """Forget both residuals (they restart at zero)."""
         self.residuals.clear()

@@ -191,7 +191,7 @@ class TensorExchange:
         """The error-feedback residuals of both stages, per tensor name (rank-local)."""
         if self.quantized is None:
             return {"residuals": {}, "residuals2": {}}
-        return {"residuals": dict(self.quantized.residuals), "residuals2": dict(self.quantized.residuals2)}
+        return self.quantized.state_dict()
 
     def check_state(self, state: Mapping[str, Mapping[str, Tensor]], shapes: Mapping[str, torch.Size]) -> None:
         """Raise ``ValueError`` when saved residuals do not fit tensors of ``shapes`` on this rank."""
@@ -208,10 +208,8 @@ class TensorExchange:
                     )
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
-        if self.quantized is None:
-            return
-        self.quantized.residuals = {n: r.float() for n, r in state.get("residuals", {}).items()}
-        self.quantized.residuals2 = {n: r.float() for n, r in state.get("residuals2", {}).items()}
+        if self.quantized is not None:
+            self.quantized.load_state_dict(state)
 
     def reset(self) -> None:
         """Forget the residuals (they restart at zero)."""

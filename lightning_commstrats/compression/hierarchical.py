@@ -117,13 +117,11 @@ class TwoLevelAllReduce:
         """The slow hop's error-feedback residuals per call site (empty in fp32)."""
         if self._quantized is None:
             return {}
-        return {"residuals": dict(self._quantized.residuals), "residuals2": dict(self._quantized.residuals2)}
+        return self._quantized.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._quantized is None or not state:
-            return
-        self._quantized.residuals = {k: v.float() for k, v in state.get("residuals", {}).items()}
-        self._quantized.residuals2 = {k: v.float() for k, v in state.get("residuals2", {}).items()}
+        if self._quantized is not None and state:
+            self._quantized.load_state_dict(state)
 
     def reset(self) -> None:
         if self._quantized is not None:
