@@ -47,6 +47,7 @@ from lightning_commstrats.comm import Communicator, wire
 from lightning_commstrats.compression.exchange import EXCHANGE_BITS
 from lightning_commstrats.compression.rows import resolve_count
 from lightning_commstrats.cost_model import ModelShape
+from lightning_commstrats.models.base import declared_vocabulary
 from lightning_commstrats.strategies.periodic import PSEUDO_GRAD_BITS, fragment_bounds
 
 SCHEMES = (
@@ -176,10 +177,9 @@ def model_shape(model_or_shapes: Any, vocab_size: int = 0, vocab_width: int = 0)
 def vocabulary_of(module: torch.nn.Module) -> tuple[int, int]:
     """(rows, values per row summed over the distinct matrices) of the vocabulary parameters a
     module declares with ``vocab_parameters()``; ``(0, 0)`` when none does."""
-    declared = next((m.vocab_parameters() for m in module.modules() if hasattr(m, "vocab_parameters")), None)
-    if not declared:
+    unique = declared_vocabulary(module)
+    if not unique:
         return 0, 0
-    unique = list({id(p): p for p in declared.values()}.values())
     rows = unique[0].shape[0]
     return rows, sum(p.numel() // rows for p in unique)
 

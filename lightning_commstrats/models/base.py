@@ -37,6 +37,13 @@ class LanguageModelBase(nn.Module):
         return roles
 
 
+def declared_vocabulary(module: nn.Module) -> list[nn.Parameter]:
+    """The distinct vocabulary matrices that ``module`` (or a submodule) declares with
+    ``vocab_parameters()`` (a tied matrix once); empty when none declares any."""
+    declared = next((m.vocab_parameters() for m in module.modules() if hasattr(m, "vocab_parameters")), None)
+    return list({id(p): p for p in (declared or {}).values()}.values())
+
+
 def tie(output: nn.Linear, embedding: nn.Embedding) -> None:
     if output.weight.shape != embedding.weight.shape:
         raise ValueError(

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_commstrats.compression import batch_token_ids, most_frequent, random_rows, resolve_count, union
 from lightning_commstrats.compression.exchange import GradientCompression
+from lightning_commstrats.models.base import declared_vocabulary
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
 
@@ -142,13 +143,12 @@ class SampledVocabStrategy(AllReduceStrategy):
                 raise ValueError(f"vocab_params names {missing}, which the model does not have; it has {list(named)}")
             params = [named[n] for n in self.vocab_param_names]
         else:
-            declared = next((m.vocab_parameters() for m in module.modules() if hasattr(m, "vocab_parameters")), None)
-            if not declared:
+            params = declared_vocabulary(module)
+            if not params:
                 raise ValueError(
                     "sampled_vocab: the model declares no vocabulary parameters (no vocab_parameters() method);"
                     " pass vocab_params=[<names>]"
                 )
-            params = list(declared.values())
         unique = list({id(p): p for p in params}.values())
         sizes = {p.shape[0] for p in unique}
         if len(sizes) != 1:
