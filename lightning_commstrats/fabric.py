@@ -364,6 +364,7 @@ class FabricStrategy(RankDevices, ParallelStrategy):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self.scheme.release_resources()
         super().teardown()
 
     @classmethod

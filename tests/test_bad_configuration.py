@@ -16,6 +16,7 @@ from lightning_commstrats import (
     LocalSGDStrategy,
     ModelAveragingStrategy,
     OneBitSGDStrategy,
+    ParameterServerStrategy,
     SampledVocabStrategy,
     StreamingDiLoCoStrategy,
 )
@@ -51,6 +52,23 @@ CASES = [
     # sampled vocabulary
     (SampledVocabStrategy, {"alpha": 1.5}, ValueError, r"alpha must be a count >= 0 \(an int\) or a fraction in \[0, 1\]"),
     (SampledVocabStrategy, {"beta": -2}, ValueError, "beta must be a count >= 0"),
+    # the parameter server
+    (ParameterServerStrategy, {"mode": "hogwild"}, ValueError, r"mode='hogwild' is not supported; choose one of \('sync', 'async'\)"),
+    (ParameterServerStrategy, {"mode": "async", "sync_period": 0}, ValueError, "sync_period must be a positive int, got 0"),
+    (ParameterServerStrategy, {"mode": "async", "sync_period": -4}, ValueError, "sync_period must be a positive int, got -4"),
+    (ParameterServerStrategy, {"mode": "sync", "sync_period": 4}, ValueError, r"mode='sync' averages gradients at every optimizer step; sync_period apply to mode='async'"),
+    (ParameterServerStrategy, {"pipeline": True}, ValueError, r"mode='sync' .*pipeline apply to mode='async'"),
+    (ParameterServerStrategy, {"num_servers": 0}, ValueError, "num_servers must be a positive int or 'all', got 0"),
+    (ParameterServerStrategy, {"num_servers": "half"}, ValueError, "num_servers must be a positive int or 'all', got 'half'"),
+    (ParameterServerStrategy, {"num_servers": True}, ValueError, "num_servers must be a positive int or 'all', got True"),
+    (ParameterServerStrategy, {"mode": "async", "sync_period_unit": "epochs"}, ValueError, "sync_period_unit='epochs' is not supported"),
+    (ParameterServerStrategy, {"mode": "async", "adjust_learning_rate": "cosine"}, ValueError, r"adjust_learning_rate='cosine' is not supported; choose one of \('none', 'linear', 'staircase'\)"),
+    (ParameterServerStrategy, {"mode": "async", "adjust_coefficient": 0}, ValueError, r"adjust_coefficient must be in \(0, 1\], got 0"),
+    (ParameterServerStrategy, {"mode": "async", "adjust_coefficient": 1.5}, ValueError, r"adjust_coefficient must be in \(0, 1\], got 1.5"),
+    (ParameterServerStrategy, {"mode": "async", "adjust_nb_minibatch": 0}, ValueError, "adjust_nb_minibatch must be an int >= 1, got 0"),
+    (ParameterServerStrategy, {"rpc_transports": "uv"}, ValueError, "rpc_transports must be a list of TensorPipe transport names or None"),
+    (ParameterServerStrategy, {"backend": "mpi"}, ValueError, "parameter_server sends its messages over torch.distributed.rpc"),
+    (ParameterServerStrategy, {"group_size": 2}, ValueError, "parameter_server has no group exchange: group_size does not apply"),
     # the periodic family
     (ModelAveragingStrategy, {"sync_period": 0}, ValueError, "sync_period must be a positive int, got 0"),
     (ModelAveragingStrategy, {"sync_period": 2.5}, ValueError, "sync_period must be a positive int, got 2.5"),

@@ -10,7 +10,17 @@ B = 100e6  # 100 Mbit/s
 
 
 def test_parameter_server_and_ring_formulas():
-    assert cm.parameter_server(MODEL, 4, B) == pytest.approx(2 * 4 * K * 4 * 8 / B)
+    # one server on rank 0: its link sends the 3 others K values each (and receives as much)
+    assert cm.parameter_server(MODEL, 4, B) == pytest.approx(3 * K * 4 * 8 / B)
+    # four servers: a rank replies K/4 to 3 others and pushes 3 K/4 to the other servers, the ring's 1.5 K
+    assert K % 4 == 0
+    assert cm.parameter_server(MODEL, 4, B, num_servers=4) == pytest.approx(1.5 * K * 4 * 8 / B)
+    assert cm.parameter_server(MODEL, 4, B, num_servers=4) == pytest.approx(cm.ring_allreduce(MODEL, 4, B))
+    # two servers: a server sends 3 K/2 of replies and K/2 of pushes
+    assert cm.parameter_server(MODEL, 4, B, num_servers=2) == pytest.approx(2 * K * 4 * 8 / B)
+    assert cm.parameter_server(MODEL, 1, B) == 0.0
+    with pytest.raises(ValueError, match="num_servers must be in"):
+        cm.parameter_server(MODEL, 4, B, num_servers=5)
     assert cm.ring_allreduce(MODEL, 4, B) == pytest.approx(2 * 3 * K * 4 * 8 / (4 * B))
     assert cm.ring_allreduce(MODEL, 1, B) == 0.0
 

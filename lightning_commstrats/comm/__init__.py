@@ -17,6 +17,7 @@ from lightning_commstrats.comm.mpi import MPI4PY_AVAILABLE, MPICommunicator, imp
 from lightning_commstrats.comm.stats import CommCounters, CommSnapshot, CommStats, delta
 from lightning_commstrats.comm.torch_dist import (
     Heartbeat,
+    LivenessWatch,
     TorchCommunicator,
     destroy_process_group,
     init_process_group,
@@ -35,6 +36,7 @@ __all__ = [
     "CommStats",
     "Communicator",
     "Heartbeat",
+    "LivenessWatch",
     "LocalCommunicator",
     "MPICommunicator",
     "TorchCommunicator",

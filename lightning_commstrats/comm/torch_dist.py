@@ -71,6 +71,15 @@ class Heartbeat:
             return None
         return [r for r in range(self.world_size) if r not in reported and after[r] == before[r]]
 
+    def counts(self) -> list[int] | None:
+        """Every rank's counter now, without waiting (``None`` when the store cannot be reached)."""
+        if self.store is None:
+            return None
+        try:
+            return [int(self.store.add(f"{self.PREFIX}{r}", 0)) for r in range(self.world_size)]
+        except Exception:
+            return None
+
     def close(self) -> None:
         """Stop beating and let go of the store: rank 0's store (a server) must close with its process
         group, or a later group's rendezvous on the same port would find the old one."""
@@ -78,6 +87,36 @@ class Heartbeat:
         if self._thread is not threading.current_thread():
             self._thread.join()
         self.store = None
+
+
+class LivenessWatch:
+    """For a wait that is not a collective (a reply from a parameter server): polls the heartbeat
+    counters and names the ranks whose counter has not moved for ``after`` seconds.
+
+    Args:
+        heartbeat: the ranks' counters.
+        after: seconds without a beat after which a rank counts as stopped (ten beats by default).
+    """
+
+    def __init__(self, heartbeat: Heartbeat, after: float | None = None) -> None:
+        self.heartbeat = heartbeat
+        self.after = 10 * heartbeat.interval if after is None else after
+        self._last: list[int] | None = heartbeat.counts()
+        now = time.monotonic()
+        self._moved = [now] * heartbeat.world_size
+
+    def stopped(self) -> list[int] | None:
+        """The ranks whose counter has not moved for ``after`` seconds; ``None`` when the store is
+        gone (rank 0's process, which hosts it, has stopped)."""
+        counts = self.heartbeat.counts()
+        if counts is None:
+            return None
+        now = time.monotonic()
+        for r, c in enumerate(counts):
+            if self._last is None or c != self._last[r]:
+                self._moved[r] = now
+        self._last = counts
+        return [r for r in range(len(counts)) if r != self.heartbeat.rank and now - self._moved[r] > self.after]
 
 
 _HEARTBEAT: tuple[object, Heartbeat] | None = None  # (the default process group, its heartbeat)

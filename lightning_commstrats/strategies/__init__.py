@@ -7,6 +7,7 @@ from lightning_commstrats.strategies.diloco import DiLoCoStrategy
 from lightning_commstrats.strategies.expert_parallel import ExpertParallelStrategy
 from lightning_commstrats.strategies.local_sgd import LocalSGDStrategy
 from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
+from lightning_commstrats.strategies.parameter_server import ParameterServerStrategy
 from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, PeriodicSyncStrategy
 from lightning_commstrats.strategies.sampled_vocab import SampledVocabStrategy
 from lightning_commstrats.strategies.streaming_diloco import StreamingDiLoCoStrategy
@@ -21,6 +22,7 @@ STRATEGIES: tuple[type[CommStrategy], ...] = (
     StreamingDiLoCoStrategy,
     SampledVocabStrategy,
     ExpertParallelStrategy,
+    ParameterServerStrategy,
 )
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
     "OneBitSGDStrategy",
+    "ParameterServerStrategy",
     "PeriodicSyncStrategy",
     "SampledVocabStrategy",
     "StreamingDiLoCoStrategy",

@@ -807,6 +807,15 @@ class CommStrategy(RankDevices, ParallelStrategy):
             raise ValueError(f"{type(self).__name__} keeps state only for parameters of the LightningModule")
         return name
 
+    @override
+    def teardown(self) -> None:
+        self.release_resources()
+        super().teardown()
+
+    def release_resources(self) -> None:
+        """Stop what the scheme started beside its communicator (an RPC agent...) at the end of a run;
+        both front ends call it. The communicator itself stays, as ``ddp``'s process group does."""
+
     # ------------------------------------------------------------------ Lightning's collectives
 
     @override

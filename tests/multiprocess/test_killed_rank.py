@@ -17,9 +17,10 @@ pytestmark = pytest.mark.multiprocess
 BOUND_SECONDS = 30.0  # from the kill to the last survivor's exit
 
 
-def _kill_one(world: int, victim: int) -> tuple[float, list[int], list[str]]:
+def _kill_one(world: int, victim: int, strategy: str = "allreduce", **kwargs) -> tuple[float, list[int], list[str]]:
     out = Path(tempfile.mkdtemp(prefix="commstrats-kill-"))
-    long = {"strategy": "allreduce", "model": "lm", "max_steps": 100_000, "marker_at": 3, "devices": world}
+    long = {"strategy": strategy, "kwargs": kwargs, "model": "lm", "max_steps": 100_000, "marker_at": 3}
+    long["devices"] = world
     spec = {"scenarios": {"long": long}}
     env = _base_env()
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0")
@@ -67,3 +68,19 @@ def test_the_others_stop_within_seconds_naming_the_killed_rank(world, victim):
         assert "stopped (killed, out of memory, or exited on an error)" in text, text[-3000:]
         assert f"rank(s) [{victim}]" in text, text[-3000:]
     print(f"{world} ranks, rank {victim} killed: the others exited in {elapsed:.1f} s")
+
+
+@pytest.mark.parametrize(("victim", "mode"), [(1, "sync"), (0, "sync"), (1, "async")])
+def test_a_parameter_server_run_stops_when_a_worker_or_the_server_dies(victim, mode):
+    """Killed worker: the server (rank 0) waits for a round that cannot complete, and its watch of
+    the heartbeats names the dead rank. Killed server: the workers' calls fail at once."""
+    kwargs = {"mode": mode} if mode == "sync" else {"mode": mode, "sync_period": 2, "sync_period_unit": "steps"}
+    elapsed, codes, logs = _kill_one(3, victim, "parameter_server", **kwargs)
+    assert None not in codes, f"survivors still running {elapsed:.0f} s after the kill"
+    assert all(code != 0 for code in codes)
+    assert elapsed < BOUND_SECONDS
+    for text in logs:
+        assert "CollectiveError" in text, text[-3000:]
+    if victim != 0:  # rank 0 alive: its store names the dead rank
+        assert any(f"rank(s) [{victim}]" in text for text in logs), logs[0][-3000:]
+    print(f"parameter_server {mode}, rank {victim} killed: the others exited in {elapsed:.1f} s")

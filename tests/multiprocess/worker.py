@@ -17,7 +17,8 @@ strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``preci
 (``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
 that rank at that step), ``perturb`` (``[step, rank]``: 1e-3 added to one parameter of that rank
 after that step), ``marker_at`` (touch ``OUT_DIR/running<rank>`` after that step),
-``state_trace`` (keep the strategy's state after every step) and
+``state_trace`` (keep the strategy's state after every step), ``slow_rank`` (``[rank, seconds]``: that
+rank sleeps after every batch; every rank keeps ``train_seconds``, its training loop's time) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
 average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
 ``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +271,25 @@ class Marker(L.Callback):
             (self.out / f"running{trainer.global_rank}").touch()
 
 
+class Slow(L.Callback):
+    """Sleeps after every batch on one rank (a straggler), and times every rank's training loop:
+    from the start of training to the end of its last batch."""
+
+    def __init__(self, rank: int | None = None, seconds: float = 0.0) -> None:
+        self.rank, self.seconds = rank, seconds
+        self.start = self.end = 0.0
+        self.first: torch.Tensor | None = None  # the flat parameters when training starts
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = self.end = time.perf_counter()
+        self.first = flat(pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+        self.end = time.perf_counter()
+
+
 class StateTrace(L.Callback):
     """The strategy's own state (shared and rank-local) and the loss scale after every step."""
 
@@ -325,6 +346,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     callbacks.append(at_end)
     if sc.get("trace"):
         callbacks.append(trace)
+    slow = Slow(*sc.get("slow_rank", (None, 0.0)))
+    callbacks.append(slow)
     states = StateTrace()
     if sc.get("state_trace"):
         callbacks.append(states)
@@ -393,6 +416,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "buffers_before_end": at_end.buffers,
         "val_loss": val_loss,
         "validated_metrics": {k: float(v) for k, v in validated.items()},
+        "train_seconds": slow.end - slow.start,
+        "start_params": slow.first,
         "heartbeats": sum(t.name == "commstrats-heartbeat" for t in threading.enumerate()),
     }
     if sc.get("ckpt_every") and not sc.get("validate_ckpt") and not sc.get("ckpt_dir"):
