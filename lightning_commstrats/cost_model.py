@@ -6,10 +6,10 @@ link is the only bottleneck (compute and communication do not overlap in this pa
 strategies). Bytes come from :mod:`lightning_commstrats.comm.wire`, so a prediction is the same
 number the strategies count, divided by the rate.
 
-- parameter server (``parameter_server``, servers hosted on the training ranks): the busiest
-  server link, ``(n - 1) K / B`` with one server, ``2 (n - 1) K / (n B)`` with ``n`` (the 2018 NLM
-  paper modelled ``2 n K / B``: a separate server whose link carries ``n`` gradients in and ``n``
-  models out, one way at a time);
+- parameter server (``parameter_server``, servers hosted on the training ranks): pushes, then
+  replies, through the busiest server link: ``2 (n - 1) K / B`` with one server,
+  ``2 (n - 1) K / (n B)`` with ``n`` (the 2018 NLM paper modelled ``2 n K / B``: a separate server
+  whose link carries ``n`` gradients in and ``n`` models out);
 - ring all-reduce: ``2 (n-1) K / (n B)``;
 - 1-bit (n-bit) SGD: the ring volume of the quantized matrices (bits per value + two floats per
   column and stripe) plus the ring all-reduce of the small tensors;
@@ -77,21 +77,23 @@ def seconds(nbytes: float, bandwidth: float) -> float:
 
 
 def parameter_server(model: ModelShape, n: int, bandwidth: float, num_servers: int = 1) -> float:
-    """Seconds of one exchange of ``parameter_server`` (sync mode, or one async sync of every worker):
-    shard ``s`` of ``K_s`` values is served by rank ``s``, whose link sends its replies to the
-    ``n - 1`` other workers and its own pushes to the other servers, ``(n - 1) K_s + (K - K_s)``
-    values, and receives as much; a rank that serves nothing sends and receives ``K``. Links are
-    full duplex, so the busiest link's larger direction sets the time: ``(n - 1) K`` for one
-    server (the 2018 paper's baseline, whose own model counted ``2 n K`` through the server's link
-    one way), ``2 (n - 1) K / n`` with every rank a server, as a ring all-reduce."""
+    """Seconds of one exchange of ``parameter_server`` (sync mode, or one async sync of every worker).
+
+    Shard ``s`` of ``K_s`` values is served by rank ``s``. The exchange has two phases one after the
+    other (a server replies once every push is in): the pushes, where a server's link receives
+    ``(n - 1) K_s`` values while it sends its own ``K - K_s`` to the other servers, then the
+    replies, the same the other way. Links are full duplex, so each phase takes the busiest link's
+    larger direction: ``2 (n - 1) K`` values' time with one server (the 2018 paper's baseline;
+    its own model counted ``2 n K`` through a separate server), ``2 (n - 1) K / n`` with every rank
+    a server, as a ring all-reduce; a rank that serves nothing moves ``K`` each way."""
     if n == 1:
         return 0.0
     if not 1 <= num_servers <= n:
         raise ValueError(f"num_servers must be in [1, n={n}], got {num_servers}")
     k = model.numel
     shard = math.ceil(k / num_servers)
-    busiest = max((n - 1) * shard + (k - shard), k if num_servers < n else 0)
-    return seconds(busiest * 4, bandwidth)
+    phase = max((n - 1) * shard, k - shard, k if num_servers < n else 0)
+    return seconds(2 * phase * 4, bandwidth)
 
 
 def ring_allreduce(model: ModelShape, n: int, bandwidth: float, element_size: int = 4) -> float:

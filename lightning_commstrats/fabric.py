@@ -270,6 +270,7 @@ class FabricStrategy(RankDevices, ParallelStrategy):
         if self._begun:
             self.scheme.on_train_end()
             self._begun = False
+        self.scheme.release_resources()  # Fabric has no end of run of its own to do it
 
     # ------------------------------------------------------------------ collectives (through the scheme)
 

@@ -10,14 +10,15 @@ B = 100e6  # 100 Mbit/s
 
 
 def test_parameter_server_and_ring_formulas():
-    # one server on rank 0: its link sends the 3 others K values each (and receives as much)
-    assert cm.parameter_server(MODEL, 4, B) == pytest.approx(3 * K * 4 * 8 / B)
-    # four servers: a rank replies K/4 to 3 others and pushes 3 K/4 to the other servers, the ring's 1.5 K
+    # one server on rank 0: its link receives the 3 others' K values, then sends them K values each
+    assert cm.parameter_server(MODEL, 4, B) == pytest.approx(2 * 3 * K * 4 * 8 / B)
+    # four servers: a rank receives 3 x K/4 pushes while sending its 3 K/4, then the same for the
+    # replies: the ring's 1.5 K
     assert K % 4 == 0
     assert cm.parameter_server(MODEL, 4, B, num_servers=4) == pytest.approx(1.5 * K * 4 * 8 / B)
     assert cm.parameter_server(MODEL, 4, B, num_servers=4) == pytest.approx(cm.ring_allreduce(MODEL, 4, B))
-    # two servers: a server sends 3 K/2 of replies and K/2 of pushes
-    assert cm.parameter_server(MODEL, 4, B, num_servers=2) == pytest.approx(2 * K * 4 * 8 / B)
+    # two servers: a server receives 3 x K/2 in each phase
+    assert cm.parameter_server(MODEL, 4, B, num_servers=2) == pytest.approx(2 * 1.5 * K * 4 * 8 / B)
     assert cm.parameter_server(MODEL, 1, B) == 0.0
     with pytest.raises(ValueError, match="num_servers must be in"):
         cm.parameter_server(MODEL, 4, B, num_servers=5)

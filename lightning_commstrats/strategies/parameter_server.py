@@ -52,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -219,6 +220,12 @@ def _serve_pull(run: str, index: int) -> Tensor:
     return _reply(stats, "weights", shard.pull())
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
 _REMOTE = {"gradients": _serve_gradients, "delta": _serve_delta, "pull": _serve_pull}
 
 
@@ -374,16 +381,20 @@ class ParameterServerStrategy(CommStrategy):
         self._init_rpc()
 
     def _init_rpc(self) -> None:
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError("parameter_server needs MASTER_ADDR (set when the ranks connect)")
+        # A rendezvous of its own for every agent: TensorPipe makes a gloo group through the store,
+        # and in a store already used by an earlier agent of this process (a second fit) a rank
+        # could read the earlier group's keys and call an address that is gone.
+        port = self.comm.broadcast_object(_free_port() if self.global_rank == 0 else None, 0)
         options: dict[str, Any] = {
             "num_worker_threads": max(16, 2 * self.world_size),
             "rpc_timeout": self._timeout.total_seconds(),
-            "init_method": "env://",
+            "init_method": f"tcp://{os.environ['MASTER_ADDR']}:{port}",
         }
         if self.rpc_transports is not None:
             options["_transports"] = self.rpc_transports
             options["_channels"] = ["basic"]
-        if "MASTER_ADDR" not in os.environ:
-            raise RuntimeError("parameter_server needs MASTER_ADDR/MASTER_PORT (set when the ranks connect)")
         rpc.init_rpc(
             RPC_NAME.format(self.global_rank),
             rank=self.global_rank,
@@ -535,12 +546,13 @@ class ParameterServerStrategy(CommStrategy):
     def _push_pull(self, op: str, flat: Tensor, tag: str) -> list[Future]:
         """Send each shard of ``flat`` to its server; the futures of the replies."""
         host = flat.detach().float().cpu()
-        return [
-            self._call(s, op, self.global_rank, host[lo:hi].clone(), tag=tag) for s, (lo, hi) in enumerate(self.bounds)
-        ]
+        # a slice is copied out (RPC would send the whole storage of a view); one shard is the buffer itself
+        pieces = [host if hi - lo == host.numel() else host[lo:hi].clone() for lo, hi in self.bounds]
+        return [self._call(s, op, self.global_rank, piece, tag=tag) for s, piece in enumerate(pieces)]
 
     def _assemble(self, replies: Sequence[Tensor]) -> Tensor:
-        return torch.cat([r.reshape(-1) for r in replies]).to(self.root_device)
+        flat = replies[0] if len(replies) == 1 else torch.cat([r.reshape(-1) for r in replies])
+        return flat.to(self.root_device)
 
     # ------------------------------------------------------------------ sync mode: gradients
 

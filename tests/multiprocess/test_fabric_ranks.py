@@ -78,3 +78,15 @@ def test_fabric_checkpoint_resumes_mid_block_bit_for_bit_and_evaluates_the_globa
         torch.testing.assert_close(res["after_evaluation"], res["local"], atol=0, rtol=0)
     # finish(): the last sync, every rank ends with the same model
     torch.testing.assert_close(a["params"], b["params"], atol=0, rtol=0)
+
+
+def test_fabric_runs_the_parameter_server_as_the_trainer_does():
+    ps = {"strategy": "parameter_server", "kwargs": {"num_servers": "all"}}
+    scenarios = {"trainer_ps": {"front": "trainer", **ps}, "fabric_ps": {"front": "fabric", **ps}}
+    results = run_ranks({"scenarios": scenarios}, 2, script=WORKER, timeout=300)
+    for res in results:
+        trainer, fabric = res["trainer_ps"], res["fabric_ps"]
+        assert fabric["losses"] == trainer["losses"]
+        torch.testing.assert_close(fabric["params"], trainer["params"], atol=0, rtol=0)
+        # two servers of 281 values each: a rank pushes the other's half and sends its half back, 8 steps
+        assert _tag_bytes(fabric["stats"], "grad") == _tag_bytes(trainer["stats"], "grad") == 8 * 2 * 281 * 4
