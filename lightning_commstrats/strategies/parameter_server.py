@@ -62,7 +62,6 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.futures import Future
 from torch.optim import Optimizer
@@ -74,6 +73,11 @@ from lightning_commstrats.comm.stats import CommStats
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy
 from lightning_commstrats.strategies.periodic import UNITS
+
+try:  # with the per-step SIGTERM broadcast it is raised by (Lightning >= 2.5)
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+except ImportError:  # pragma: no cover - an older Lightning has neither
+    SIGTERMException = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +445,7 @@ class ParameterServerStrategy(CommStrategy):
         rank that stops does (they name it at their next push)."""
         trainer = self.trainer
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+        if loop is None or SIGTERMException is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
             return
 
         def own_flag_only() -> None:
