@@ -42,6 +42,21 @@ def launcher_free_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
 
 
+def wait_all(procs: Sequence[subprocess.Popen], deadline: float) -> None:
+    """Wait for every process until ``deadline`` (a ``time.perf_counter()`` value) or until one fails,
+    then kill those still running: a failed or stuck rank never leaves the others waiting."""
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.perf_counter() > deadline or any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 

@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env  # noqa: E402
+from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env, wait_all  # noqa: E402
 
 # ---------------------------------------------------------------- the standard setting's constants
 # Measured once, not in the run they are used in (benchmarks/results/standard/calibration.md):
@@ -401,16 +401,9 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
                 rank_env["BENCH_IFACE"] = "lo"
                 procs.append(subprocess.Popen(cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
         timeout = args.timeout or (3 * args.budget_seconds + 300 if args.budget_seconds else 3600)
-        deadline = start + timeout
-        while any(p.poll() is None for p in procs):
-            if time.perf_counter() > deadline or any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
+        wait_all(procs, start + timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        wait_all(procs, 0.0)  # kills what an error left running
         for f in logs:
             f.close()
     if any(p.returncode != 0 for p in procs):

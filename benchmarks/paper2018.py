@@ -63,7 +63,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env  # noqa: E402
+from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env, wait_all  # noqa: E402
 
 OUT = HERE / "results" / "paper2018"
 PREFIX = "p2018"  # namespace prefix of this benchmark's clusters
@@ -384,16 +384,9 @@ def launch(cmd: list[str], n: int, cluster: EmulatedCluster | None, run_dir: Pat
                 procs.append(cluster.popen(i, cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
             else:
                 procs.append(subprocess.Popen(cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
-        deadline = start + timeout
-        while any(p.poll() is None for p in procs):
-            if time.perf_counter() > deadline or any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
+        wait_all(procs, start + timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        wait_all(procs, 0.0)  # kills what an error left running
         for f in logs:
             f.close()
     wall = time.perf_counter() - start
