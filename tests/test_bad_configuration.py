@@ -106,6 +106,8 @@ CASES = [
     (LanguageModel, {"vocab_size": 10, "arch": "gru"}, ValueError, "arch='gru' is not supported"),
     (LanguageModel, {"vocab_size": 0}, ValueError, "vocab_size must be >= 2"),
     (LanguageModel, {"vocab_size": 10, "optimizer": "lion"}, ValueError, "optimizer='lion' is not supported"),
+    (LanguageModel, {"vocab_size": 10, "arch": "transformer", "num_experts": 4, "balance": "bias", "bias_update_rule": "median"}, ValueError, r"bias_update_rule='median' is not supported; choose one of \('sign', 'quantile'\)"),
+    (LanguageModel, {"vocab_size": 10, "arch": "transformer", "num_experts": 4, "balance": "bias", "bias_update_rule": "quantile", "bias_update_rate": 2.0}, ValueError, r"bias_update_rate must be in \[0, 1\] with bias_update_rule='quantile'"),
     (LanguageModel, {"vocab_size": 10, "dropout": 1.5}, ValueError, r"dropout must be in \[0, 1\)"),
     (LanguageModel, {"vocab_size": 10, "aux_loss_weight": -0.1}, ValueError, "aux_loss_weight must be a finite number >= 0"),
     # mixture of experts

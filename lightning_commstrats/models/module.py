@@ -46,7 +46,8 @@ def build_model(
     """Build an LM by name; for the Transformer ``hidden_dim`` is ``d_model`` and ``embed_dim`` is unused.
 
     ``moe`` (``num_experts``, ``moe_every``, ``top_k``, ``capacity_factor``, ``balance``,
-    ``expert_dim``, ``shared_expert_dim``, ``router_init_std``, ``bias_update_rate``) turns the
+    ``expert_dim``, ``shared_expert_dim``, ``router_init_std``, ``bias_update_rate``,
+    ``bias_update_rule``) turns the
     Transformer's FFNs into mixture-of-experts layers.
     """
     moe = moe or {}
@@ -109,8 +110,14 @@ class LanguageModel(L.LightningModule):
         shared_expert_dim: hidden width of a shared expert every token goes through, added to the
             routed output (default 0: none).
         router_init_std: standard deviation of the routers' normal initialisation (default 0.02).
-        bias_update_rate: ``balance="bias"``: the step of every expert's bias per optimizer step
-            (default 1e-3, DeepSeek-V3's; see :class:`~lightning_commstrats.moe.MoELayer`).
+        bias_update_rate: ``balance="bias"``: how far every expert's bias moves per optimizer step
+            (default None: 1e-3, DeepSeek-V3's, with the ``"sign"`` rule; 0.5 with ``"quantile"``;
+            see :class:`~lightning_commstrats.moe.MoELayer`).
+        bias_update_rule: ``balance="bias"``: ``"sign"`` (default, DeepSeek-V3's fixed step) or
+            ``"quantile"`` (the step that would have balanced the last step's tokens, scored by the
+            router after the optimizer step; on the Brown MoE recipe it holds max/mean expert load
+            near 1.1 from step 100, where the sign rule needs hundreds of steps to undo the router's
+            collapse during the learning-rate warm-up).
     """
 
     def __init__(
@@ -142,7 +149,8 @@ class LanguageModel(L.LightningModule):
         expert_dim: int | None = None,
         shared_expert_dim: int = 0,
         router_init_std: float = 0.02,
-        bias_update_rate: float = 1e-3,
+        bias_update_rate: float | None = None,
+        bias_update_rule: str = "sign",
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -181,6 +189,7 @@ class LanguageModel(L.LightningModule):
                 "shared_expert_dim": shared_expert_dim,
                 "router_init_std": router_init_std,
                 "bias_update_rate": bias_update_rate,
+                "bias_update_rule": bias_update_rule,
             },
         )
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)

@@ -30,7 +30,8 @@ class TransformerConfig:
     expert_dim: int | None = None  # routed experts' hidden width; None: ffn_dim
     shared_expert_dim: int = 0  # > 0: a shared expert of this width in every MoE layer
     router_init_std: float = 0.02
-    bias_update_rate: float = 1e-3  # balance="bias": the expert bias's step per optimizer step
+    bias_update_rate: float | None = None  # balance="bias": the bias's step (None: the rule's default)
+    bias_update_rule: str = "sign"  # balance="bias": "sign" or "quantile" (see MoELayer)
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,6 +77,7 @@ class Block(nn.Module):
                 c.shared_expert_dim,
                 c.router_init_std,
                 c.bias_update_rate,
+                c.bias_update_rule,
             )
         else:
             self.ffn = declare(FeedForward(c.d_model, c.ffn_dim, c.dropout), "ffn")

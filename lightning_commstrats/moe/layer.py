@@ -25,8 +25,11 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_commstrats.comm import Communicator
-from lightning_commstrats.moe.gating import BALANCE_MODES, Routing, route
+from lightning_commstrats.moe.gating import BALANCE_MODES, Routing, balancing_shift, route
 from lightning_commstrats.roles import declare
+
+BIAS_UPDATE_RULES = ("sign", "quantile")
+DEFAULT_BIAS_UPDATE_RATES = {"sign": 1e-3, "quantile": 0.5}
 
 
 class AllToAll(torch.autograd.Function):
@@ -178,16 +181,40 @@ class MoELayer(nn.Module):
             as every other Linear of the Transformer). Smaller starts the router closer to
             uniform; it must stay > 0 so that ties between experts are broken.
         bias_update_rate: ``balance="bias"`` only: how far every expert's bias moves per optimizer
-            step (default 1e-3, DeepSeek-V3's bias update speed: 0.001 for its first 14.3T
-            tokens, then 0; arXiv:2412.19437, section 4.2). The rule is
-            ``bias_e += rate * sign(mean load - load_e)``, the load counted over all ranks since
-            the last step (:meth:`update_bias`, :func:`update_expert_biases`). The scores are
-            softmax probabilities, about ``1 / num_experts`` each, so the rate is a step on that
-            scale: too small and the bias needs many steps to cancel a router's preference (the
-            load stays uneven meanwhile); too large and it overshoots, the overloaded expert
-            changing from step to step (the sign rule never settles, it circles the balance
-            within about one rate of bias). Tune it by the ``moe/balance`` log after warm-up.
-            0 freezes the bias (DeepSeek-V3's last 500B tokens).
+            step. 0 freezes the bias (DeepSeek-V3's last 500B tokens). Default None: 1e-3 with
+            ``bias_update_rule="sign"``, 0.5 with ``"quantile"``. With ``"sign"`` it is the step
+            itself, 1e-3 being DeepSeek-V3's bias update speed (0.001 for its first 14.3T tokens,
+            then 0; arXiv:2412.19437, section 4.2). The scores are softmax probabilities, about
+            ``1 / num_experts`` each, so the rate is a step on that scale: too small and the bias
+            needs many steps to cancel a router's preference (the load stays uneven meanwhile);
+            too large and it overshoots, the overloaded expert changing from step to step (the
+            sign rule never settles, it circles the balance within about one rate of bias). With
+            ``"quantile"`` it is the share, in [0, 1], of the balancing shift taken per update.
+            Tune it by the ``moe/balance`` log after warm-up.
+        bias_update_rule: ``balance="bias"`` only: how the observed load sets the bias's step
+            (:meth:`update_bias`), the load counted over all ranks since the last optimizer step.
+
+            - ``"sign"`` (the default, DeepSeek-V3's and Wang et al.'s):
+              ``bias_e += rate * sign(mean load - load_e)``, the same step however far off the
+              load is and however sharp the router: its speed is fixed in units of score, so one
+              rate is both too slow to undo a router that collapsed during the learning-rate
+              warm-up (hundreds of steps at 1e-3) and too coarse near balance once larger.
+            - ``"quantile"``: ``bias_e += rate * shift_e``, where ``shift_e`` is the change of
+              expert ``e``'s bias alone that would have brought its load to the mean on the
+              tokens since the last update, scored by the router *after* the optimizer step: a
+              quantile of those tokens' score margins
+              (:func:`~lightning_commstrats.moe.gating.balancing_shift`), averaged over the ranks
+              weighted by their tokens. A Newton step: its size follows how far off the load is
+              and how sharp the router is, in units of score, so it is large while a router
+              collapses and small near balance without a schedule; scoring with the stepped
+              router removes the lag that the router's own step (large under Adam around the
+              peak learning rate) gives a rule that looks at the load already routed. Every
+              expert's shift moves tokens that another expert's shift moves too (out of one
+              and into another), so a rate of 1 overshoots, about 0.5 is a whole step. The
+              layer keeps the router inputs of the training forwards since the last update
+              (``tokens x d_model`` float32 each) until then, and :func:`update_expert_biases`
+              all-reduces ``[layers, 2, experts]`` float64 instead of the int64 counts.
+              Measured on the Brown MoE recipe in ``benchmarks/results/moe/balance.md``.
 
     After a forward, ``aux_loss`` holds the load-balancing loss and ``routing`` the last
     :class:`~lightning_commstrats.moe.gating.Routing` (for metrics). With ``balance="bias"`` the
@@ -209,7 +236,8 @@ class MoELayer(nn.Module):
         capacity_factor: float = 1.25,
         shared_dim: int = 0,
         router_init_std: float = 0.02,
-        bias_update_rate: float = 1e-3,
+        bias_update_rate: float | None = None,
+        bias_update_rule: str = "sign",
     ) -> None:
         super().__init__()
         if ffn_dim < 1:
@@ -230,12 +258,23 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"router_init_std must be > 0 (ties between experts are broken at random), got {router_init_std}"
             )
+        if bias_update_rule not in BIAS_UPDATE_RULES:
+            raise ValueError(
+                f"bias_update_rule={bias_update_rule!r} is not supported; choose one of {BIAS_UPDATE_RULES}"
+            )
+        if bias_update_rate is None:
+            bias_update_rate = DEFAULT_BIAS_UPDATE_RATES[bias_update_rule]
         if (
             isinstance(bias_update_rate, bool)
             or not isinstance(bias_update_rate, (int, float))
             or not 0 <= bias_update_rate < math.inf
         ):
             raise ValueError(f"bias_update_rate must be a finite number >= 0, got {bias_update_rate!r}")
+        if bias_update_rule == "quantile" and bias_update_rate > 1:
+            raise ValueError(
+                "bias_update_rate must be in [0, 1] with bias_update_rule='quantile' (the share of the"
+                f" balancing shift taken per update), got {bias_update_rate!r}"
+            )
         self.num_experts = num_experts
         self.top_k = top_k
         self.balance = balance
@@ -252,9 +291,11 @@ class MoELayer(nn.Module):
         self.aux_loss = torch.zeros(())
         self.routing: Routing | None = None
         self.bias_update_rate = float(bias_update_rate)
+        self.bias_update_rule = bias_update_rule
         if balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         self._load_since_update: Tensor | None = None
+        self._tokens_since_update: list[Tensor] = []  # "quantile": the router inputs, scored at the update
 
     def shard(self, comm: Communicator) -> None:
         """Keep this rank's share of the experts; tokens will travel over ``comm`` (the EP group)."""
@@ -275,6 +316,8 @@ class MoELayer(nn.Module):
         self.aux_loss, self.routing = routing.aux_loss, routing
         if bias is not None and self.training:
             self._load_since_update = routing.load + (0 if self._load_since_update is None else self._load_since_update)
+            if self.bias_update_rule == "quantile":
+                self._tokens_since_update.append(tokens.detach().float())
         keep = routing.kept.reshape(-1)
         slot_expert = routing.experts.reshape(-1)[keep]
         slot_token = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)[keep]
@@ -303,21 +346,45 @@ class MoELayer(nn.Module):
             return torch.zeros(self.num_experts, dtype=torch.long, device=self.router.weight.device)
         return self._load_since_update
 
-    @torch.no_grad()
-    def update_bias(self, load: Tensor | None = None) -> None:
-        """``balance="bias"``: move every expert's bias one ``bias_update_rate`` towards balance,
-        ``bias_e += rate * sign(mean(load) - load_e)``, and start counting the load afresh.
+    def shift_since_update(self) -> Tensor:
+        """``[num_experts]`` float32, ``bias_update_rule="quantile"``: over the training forwards
+        since the last :meth:`update_bias`, the sum of tokens times the balancing shift of every
+        expert (:func:`~lightning_commstrats.moe.gating.balancing_shift`), their router inputs
+        scored by the router and bias as they are now (call it after the optimizer step; zeros
+        when no forward ran)."""
+        shift = torch.zeros(self.num_experts, device=self.router.weight.device)
+        with torch.no_grad():
+            for tokens in self._tokens_since_update:
+                scores = F.softmax(F.linear(tokens, self.router.weight.float()), dim=-1) + self.expert_bias
+                shift = shift + balancing_shift(scores, scores.topk(self.top_k, dim=-1).indices) * tokens.shape[0]
+        return shift
 
-        Call it once per optimizer step, after the step, on every rank with the same ``load``: the
-        slots routed to every expert since the last update summed over all ranks (the default, this
-        rank's :meth:`load_since_update`, is right on one process only). :func:`update_expert_biases`
+    @torch.no_grad()
+    def update_bias(self, load: Tensor | None = None, shift: Tensor | None = None) -> None:
+        """``balance="bias"``: move every expert's bias towards balance and start counting the load
+        afresh: ``bias_e += rate * sign(mean(load) - load_e)`` (``bias_update_rule="sign"``) or
+        ``bias_e += rate * shift_e / tokens`` (``"quantile"``: ``shift`` as :meth:`shift_since_update`,
+        summed over the ranks as ``load`` is, ``tokens = sum(load) / top_k``; no step when none).
+
+        Call it once per optimizer step, after the step, on every rank with the same ``load`` (and
+        ``shift``): the slots routed to every expert since the last update summed over all ranks
+        (the default, this rank's :meth:`load_since_update` and :meth:`shift_since_update`, is right
+        on one process only). :func:`update_expert_biases`
         does it for every such layer of a model with one all-reduce.
         """
         if self.balance != "bias":
             raise ValueError(f"update_bias needs balance='bias', this layer has balance={self.balance!r}")
         load = (self.load_since_update() if load is None else load).to(self.expert_bias.device, torch.float32)
-        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_update_rate)
+        error = load.mean() - load
+        if self.bias_update_rule == "quantile":
+            shift = (self.shift_since_update() if shift is None else shift).to(self.expert_bias.device, torch.float32)
+            tokens = load.sum() / self.top_k
+            error = shift / tokens if tokens > 0 else torch.zeros_like(error)
+        else:
+            error = torch.sign(error)
+        self.expert_bias.add_(error, alpha=self.bias_update_rate)
         self._load_since_update = None
+        self._tokens_since_update = []
 
     def _expert_parallel(self, inputs: Tensor, counts: Tensor) -> Tensor:
         comm = self.comm
@@ -344,8 +411,10 @@ def update_expert_biases(model: nn.Module, sum_over_ranks: Callable[[Tensor], Te
 
     The layers' counts since the last update, ``[layers, experts]`` int64, are summed over the ranks
     by ``sum_over_ranks`` (one collective for all layers; None on one process), so every rank applies
-    the same update. :class:`~lightning_commstrats.models.LanguageModel` calls it after every
-    optimizer step; in a loop of one's own (Fabric), after ``optimizer.step()``::
+    the same update. With a ``bias_update_rule="quantile"`` layer the collective carries the counts
+    and the shifts (:meth:`MoELayer.shift_since_update`) together, ``[layers, 2, experts]`` float64.
+    :class:`~lightning_commstrats.models.LanguageModel` calls it after every optimizer step; in a loop
+    of one's own (Fabric), after ``optimizer.step()``::
 
         update_expert_biases(model, lambda t: fabric.all_reduce(t, reduce_op="sum"))
     """
@@ -353,6 +422,14 @@ def update_expert_biases(model: nn.Module, sum_over_ranks: Callable[[Tensor], Te
     if not layers:
         return
     load = torch.stack([m.load_since_update() for m in layers])
+    if any(m.bias_update_rule == "quantile" for m in layers):
+        # the shifts travel with the counts, in float64 (exact for counts below 2**53)
+        both = torch.stack([load.double(), torch.stack([m.shift_since_update() for m in layers]).double()], 1)
+        if sum_over_ranks is not None:
+            both = sum_over_ranks(both)
+        for layer, (counts, shift) in zip(layers, both, strict=True):
+            layer.update_bias(counts, shift)
+        return
     if sum_over_ranks is not None:
         load = sum_over_ranks(load)
     for layer, counts in zip(layers, load, strict=True):

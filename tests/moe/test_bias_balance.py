@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_commstrats import AllReduceStrategy, ExpertParallelStrategy
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.moe import MoELayer, update_expert_biases
+from lightning_commstrats.moe.gating import balancing_shift
 
 
 def skewed_layer(rate=1e-3, top_k=1, experts=4, d=16):
@@ -178,3 +179,126 @@ def test_strategies_leave_the_agreed_bias_out_of_the_buffer_averaging(strategy):
     synced = {id(b) for b in scheme.buffers_to_sync()}
     assert id(model.running) in synced
     assert id(model.net.moe_layers()[0].expert_bias) not in synced
+
+
+def test_the_default_rule_and_rates():
+    layer = MoELayer(8, 8, 4, balance="bias")
+    assert (layer.bias_update_rule, layer.bias_update_rate) == ("sign", 1e-3)
+    assert MoELayer(8, 8, 4, balance="bias", bias_update_rule="quantile").bias_update_rate == 0.5
+    assert MoELayer(8, 8, 4, balance="bias", bias_update_rule="quantile", bias_update_rate=0.2).bias_update_rate == 0.2
+
+
+def steps_to_balance(layer, x, limit=300):
+    for step in range(limit):
+        layer(x)
+        if balance(layer.routing.load) <= 1.1:
+            return step
+        layer.update_bias()
+    return limit
+
+
+def settled_balance(layer, x, steps=30):
+    """The mean max/mean load over ``steps`` more updates."""
+    ratios = []
+    for _ in range(steps):
+        layer(x)
+        ratios.append(balance(layer.routing.load))
+        layer.update_bias()
+    return sum(ratios) / steps
+
+
+def test_the_quantile_rule_undoes_a_collapsed_router_fast_and_settles():
+    slow = skewed_layer(rate=2e-3)
+    x = tokens(4, 64)
+    with torch.no_grad():  # a collapsed router: nearly every token to expert 0
+        slow.router.weight[0, 0] += 1.5
+    slow(x)
+    assert balance(slow.routing.load) > 3
+
+    def copy(**kwargs):
+        layer = MoELayer(16, 8, 4, balance="bias", **kwargs)
+        layer.load_state_dict(slow.state_dict())
+        return layer
+
+    quantile, fast_sign = copy(bias_update_rule="quantile"), copy(bias_update_rate=0.05)
+    assert steps_to_balance(quantile, x) <= 8 < steps_to_balance(slow, x) / 10  # here 4 steps against 229
+    # and it stays there, where the sign rule fast enough to get there soon circles the balance
+    assert settled_balance(quantile, x) < 1.03
+    steps_to_balance(fast_sign, x)
+    assert settled_balance(fast_sign, x) > 1.3
+
+
+def test_bad_bias_update_rule():
+    with pytest.raises(
+        ValueError,
+        match=r"bias_update_rule='linear' is not supported; choose one of \('sign', 'quantile'\)",
+    ):
+        MoELayer(8, 16, 4, balance="bias", bias_update_rule="linear")
+
+
+def test_the_balancing_shift_by_hand():
+    scores = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.3, 0.7]])
+    experts = scores.argmax(1, keepdim=True)  # loads 3 and 1, mean 2
+    shift = balancing_shift(scores, experts)
+    # expert 0 gives up its token of smallest margin (0.2; next 0.6), expert 1 takes the closest (gap 0.2; next 0.6)
+    torch.testing.assert_close(shift, torch.tensor([-0.4, 0.4]))
+    for e in range(2):
+        moved = scores.clone()
+        moved[:, e] += shift[e]
+        assert torch.bincount(moved.argmax(1), minlength=2).tolist() == [2, 2]
+    assert not balancing_shift(scores[2:], scores[2:].argmax(1, keepdim=True)).any()  # already even
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_balancing_shift_brings_every_expert_alone_to_the_mean(top_k):
+    torch.manual_seed(0)
+    scores = torch.softmax(torch.randn(1000, 4) + torch.tensor([1.0, 0, 0, 0]), -1)
+    shift = balancing_shift(scores, scores.topk(top_k, -1).indices)
+    assert shift[0] < 0 and (shift[1:] > 0).all()
+    for e in range(4):
+        moved = scores.clone()
+        moved[:, e] += shift[e]
+        load = torch.bincount(moved.topk(top_k, -1).indices.reshape(-1), minlength=4)
+        assert load[e] == 250 * top_k
+
+
+def test_the_quantile_rule_by_hand_and_over_ranks():
+    model = torch.nn.Sequential(skewed_layer(), skewed_layer())
+    for layer in model:
+        layer.bias_update_rule, layer.bias_update_rate = "quantile", 0.5
+    x = tokens(2, 8)
+    for layer in model:
+        layer(x)
+    shifts = [balancing_shift(torch.softmax(m.router(x.reshape(-1, 16)), -1), m.routing.experts) for m in model]
+    calls = []
+
+    def a_second_rank_with_the_same_tokens(both):
+        calls.append(both.clone())
+        return 2 * both
+
+    update_expert_biases(model, a_second_rank_with_the_same_tokens)
+    assert len(calls) == 1 and calls[0].shape == (2, 2, 4) and calls[0].dtype == torch.float64
+    for layer, shift in zip(model, shifts, strict=True):
+        torch.testing.assert_close(layer.expert_bias, 0.5 * shift)  # 2 x 16 tokens x shift / (2 x 16 tokens)
+        assert not layer.shift_since_update().any() and not layer.load_since_update().any()
+
+
+def test_the_quantile_rule_takes_at_most_the_whole_shift():
+    with pytest.raises(ValueError, match=r"bias_update_rate must be in \[0, 1\] with bias_update_rule='quantile'"):
+        MoELayer(8, 16, 4, balance="bias", bias_update_rule="quantile", bias_update_rate=2.0)
+    assert MoELayer(8, 16, 4, balance="bias", bias_update_rule="quantile", bias_update_rate=1.0)
+
+
+def test_the_quantile_rule_scores_the_last_tokens_with_the_router_after_the_step():
+    layer = skewed_layer(rate=0.5)
+    layer.bias_update_rule = "quantile"
+    x = tokens(2, 32)
+    layer(x)
+    stale = layer.routing.load
+    with torch.no_grad():  # the optimizer step: the router now loves expert 1 instead
+        layer.router.weight[[0, 1]] = layer.router.weight[[1, 0]]
+    scores = torch.softmax(layer.router(x.reshape(-1, 16)), -1)
+    fresh = balancing_shift(scores, scores.argmax(-1, keepdim=True))
+    layer.update_bias()
+    torch.testing.assert_close(layer.expert_bias, 0.5 * fresh)
+    assert fresh[1] < 0 and stale.argmax() == 0  # the step moved the favourite: the old scores would push expert 0
