@@ -67,9 +67,27 @@ class Heartbeat:
             time.sleep(4 * self.interval)
             after = [int(self.store.add(f"{self.PREFIX}{r}", 0)) for r in range(self.world_size)]
             reported = set(r for r in range(self.world_size) if self.store.check([f"{self.PREFIX}failed/{r}"]))
+            self.store.set(f"{self.PREFIX}diagnosed/{self.rank}", "1")
         except Exception:
             return None
-        return [r for r in range(self.world_size) if r not in reported and after[r] == before[r]]
+        stopped = [r for r in range(self.world_size) if r not in reported and after[r] == before[r]]
+        if self.rank == 0:
+            # this process hosts the store: if it left now, the others, still diagnosing the same
+            # failure, would find it gone and could not name the rank that stopped
+            self._await_diagnoses([r for r in range(1, self.world_size) if r not in stopped])
+        return stopped
+
+    def _await_diagnoses(self, ranks: list[int]) -> None:
+        """Wait (at most ten beats and two seconds) until ``ranks`` have finished their diagnosis."""
+        deadline = time.monotonic() + 10 * self.interval + 2.0
+        keys = [f"{self.PREFIX}diagnosed/{r}" for r in ranks]
+        while time.monotonic() < deadline:
+            try:
+                if all(self.store.check([key]) for key in keys):
+                    return
+            except Exception:
+                return
+            time.sleep(self.interval / 5)
 
     def counts(self) -> list[int] | None:
         """Every rank's counter now, without waiting (``None`` when the store cannot be reached)."""
