@@ -107,6 +107,13 @@ class Heartbeat:
         self.store = None
 
 
+def describe_stopped(stopped: list[int] | None) -> str:
+    """What a failed wait says of the peers a heartbeat found stopped (``None``: the store is gone)."""
+    if stopped is None:
+        return "rank 0's process, which hosts the rendezvous store, is gone"
+    return f"rank(s) {stopped} stopped (killed, out of memory, or exited on an error)"
+
+
 class LivenessWatch:
     """For a wait that is not a collective (a reply from a parameter server): polls the heartbeat
     counters and names the ranks whose counter has not moved for ``after`` seconds.
@@ -197,11 +204,9 @@ class TorchCommunicator(Communicator):
         if self.heartbeat is None:
             return ""
         stopped = self.heartbeat.stopped_peers()
-        if stopped is None:
-            return "rank 0's process, which hosts the rendezvous store, is gone"
-        if stopped:
-            return f"rank(s) {stopped} stopped (killed, out of memory, or exited on an error)"
-        return "every rank is alive: one is stuck or failed inside the collective"
+        if stopped == []:
+            return "every rank is alive: one is stuck or failed inside the collective"
+        return describe_stopped(stopped)
 
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
         with self._staged(tensor) as t:

@@ -70,9 +70,10 @@ from typing_extensions import override
 from lightning_commstrats.buckets import flatten, unflatten_into
 from lightning_commstrats.comm import CollectiveError, LivenessWatch
 from lightning_commstrats.comm.stats import CommStats
+from lightning_commstrats.comm.torch_dist import describe_stopped
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy
-from lightning_commstrats.strategies.periodic import UNITS
+from lightning_commstrats.strategies.periodic import check_period
 
 try:  # with the per-step SIGTERM broadcast it is raised by (Lightning >= 2.5)
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -292,14 +293,11 @@ class ParameterServerStrategy(CommStrategy):
     ) -> None:
         if mode not in PS_MODES:
             raise ValueError(f"mode={mode!r} is not supported; choose one of {PS_MODES}")
-        if num_servers != "all" and (isinstance(num_servers, bool) or not isinstance(num_servers, int)):
+        if num_servers != "all" and (
+            isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1
+        ):
             raise ValueError(f"num_servers must be a positive int or 'all', got {num_servers!r}")
-        if num_servers != "all" and num_servers < 1:
-            raise ValueError(f"num_servers must be a positive int or 'all', got {num_servers!r}")
-        if isinstance(sync_period, bool) or not isinstance(sync_period, int) or sync_period <= 0:
-            raise ValueError(f"sync_period must be a positive int, got {sync_period!r}")
-        if sync_period_unit not in UNITS:
-            raise ValueError(f"sync_period_unit={sync_period_unit!r} is not supported; choose one of {UNITS}")
+        check_period(sync_period, sync_period_unit)
         if not isinstance(pipeline, bool):
             raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
         if adjust_learning_rate not in ADJUST_MODES:
@@ -434,7 +432,6 @@ class ParameterServerStrategy(CommStrategy):
                 shard.seed(flat[shard.lo : shard.hi])
             self._base = flat
             self._last_sync = self._progress()
-        if self.mode == "async":
             self._unsynchronize_sigterm_check()
         self.comm.barrier()  # no worker pushes before every server is ready
 
@@ -490,17 +487,7 @@ class ParameterServerStrategy(CommStrategy):
         :class:`CollectiveError` naming it instead of waiting forever."""
         start = time.perf_counter()
         arrived = threading.Event()
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def one_done(_: Future) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    arrived.set()
-
-        for future in futures:
-            future.add_done_callback(one_done)
+        torch.futures.collect_all(list(futures)).add_done_callback(lambda _: arrived.set())
         heartbeat = getattr(self.comm, "heartbeat", None)
         watch: LivenessWatch | None = None
         deadline = start + self._timeout.total_seconds()
@@ -528,11 +515,7 @@ class ParameterServerStrategy(CommStrategy):
     def _raise_if_stopped(self, watch: LivenessWatch, doing: str) -> None:
         stopped = watch.stopped()
         if stopped is None or stopped:
-            who = "rank 0's process, which hosts the rendezvous store," if stopped is None else f"rank(s) {stopped}"
-            raise CollectiveError(
-                f"rank {self.global_rank} of {self.world_size}: {doing}: {who} stopped (killed, out of memory,"
-                " or exited on an error)"
-            )
+            raise CollectiveError(f"rank {self.global_rank} of {self.world_size}: {doing}: {describe_stopped(stopped)}")
 
     def _check_peers(self) -> None:
         """Async mode: workers never wait for each other, so a dead one would be noticed only at the
@@ -588,7 +571,7 @@ class ParameterServerStrategy(CommStrategy):
         if self.mode != "async" or not self._rpc_up:
             return
         # the step counter moves after this hook: count this step already
-        progress = self.samples_per_worker if self.sync_period_unit == "samples" else self.optimizer_steps + 1
+        progress = self._progress() + (self.sync_period_unit == "steps")
         if progress - self._last_sync >= self.sync_period:
             self._last_sync = progress
             self._sync_async(pipelined=self.pipeline)

@@ -67,6 +67,14 @@ class _Exchange:
 OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
 
 
+def check_period(sync_period: Any, sync_period_unit: Any) -> None:
+    """Raise ``ValueError`` unless ``sync_period`` is a positive int and ``sync_period_unit`` one of :data:`UNITS`."""
+    if isinstance(sync_period, bool) or not isinstance(sync_period, int) or sync_period <= 0:
+        raise ValueError(f"sync_period must be a positive int, got {sync_period!r}")
+    if sync_period_unit not in UNITS:
+        raise ValueError(f"sync_period_unit={sync_period_unit!r} is not supported; choose one of {UNITS}")
+
+
 def refuse_outer_arguments(kwargs: dict[str, Any], owner: str, instead: str) -> None:
     """A preset with its own outer step takes no outer-optimizer argument: say so rather than drop it."""
     given = [name for name in OUTER_ARGUMENTS if name in kwargs]
@@ -131,10 +139,7 @@ class PeriodicSyncStrategy(CommStrategy):
         fragment_update_alpha: float = 0.0,
         **kwargs: Any,
     ) -> None:
-        if isinstance(sync_period, bool) or not isinstance(sync_period, int) or sync_period <= 0:
-            raise ValueError(f"sync_period must be a positive int, got {sync_period!r}")
-        if sync_period_unit not in UNITS:
-            raise ValueError(f"sync_period_unit={sync_period_unit!r} is not supported; choose one of {UNITS}")
+        check_period(sync_period, sync_period_unit)
         if not isinstance(parallelization_start, int) or parallelization_start < 0:
             raise ValueError(f"parallelization_start must be an int >= 0, got {parallelization_start!r}")
         if isinstance(pseudo_grad_bits, bool) or pseudo_grad_bits not in PSEUDO_GRAD_BITS:
