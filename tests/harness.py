@@ -57,7 +57,27 @@ def run_ranks(
     timeout: float = 300.0,
     script: Path = WORKER,
 ) -> list[dict[str, Any]]:
-    """Run ``script`` on ``world_size`` ranks with ``spec``; return the per-rank result dicts in rank order."""
+    """Run ``script`` on ``world_size`` ranks with ``spec``; return the per-rank result dicts in rank order.
+
+    ``MASTER_PORT`` is a port that was free a moment before the ranks start; another process can take
+    it in between (the system hands out the same range), and then rank 0 cannot listen on it. Such a
+    run is started again on another port, at most twice; any other failure is raised at once."""
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(spec, world_size, launcher=launcher, timeout=timeout, script=script)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on ``MASTER_PORT``: another process took it after it was picked."""
+
+
+def _run_ranks_once(
+    spec: dict[str, Any], world_size: int, *, launcher: str, timeout: float, script: Path
+) -> list[dict[str, Any]]:
     out = Path(tempfile.mkdtemp(prefix="commstrats-ranks-"))
     args = [sys.executable, str(script), json.dumps(spec), str(out)]
     env = _base_env()
@@ -97,7 +117,10 @@ def run_ranks(
             raise RuntimeError(f"{err}:\n{_tails(logs)}") from err
         failed = [i for i, p in enumerate(procs) if p.returncode != 0]
         if failed:
-            raise RuntimeError(f"ranks {failed} failed:\n{_tails(logs)}")
+            tails = _tails(logs)
+            if launcher == "env" and "EADDRINUSE" in tails and f"port: {env['MASTER_PORT']}," in tails:
+                raise _PortTaken(f"ranks {failed} failed:\n{tails}")
+            raise RuntimeError(f"ranks {failed} failed:\n{tails}")
         return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     finally:
         for p in procs:

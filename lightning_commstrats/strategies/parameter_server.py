@@ -49,20 +49,23 @@ strategy runs on CUDA too, with a device-to-host copy of the pushed and received
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.futures import Future
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -225,10 +228,35 @@ def _serve_pull(run: str, index: int) -> Tensor:
     return _reply(stats, "weights", shard.pull())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+_RENDEZVOUS_SCHEME = "commstrats-ps"
+_STORES: dict[str, dist.Store] = {}  # run id -> the store of that run's RPC rendezvous
+_HANDLER_REGISTERED = False
+
+
+def _rendezvous_handler(url: str, **kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    """The RPC rendezvous of one run: the store this process already holds for it (named by the
+    url's host part), so no port is picked in advance and then bound later, a gap in which another
+    process can take it."""
+    parsed = urlparse(url)
+    query = dict(pair.split("=", 1) for pair in parsed.query.split("&") if pair)
+    yield _STORES[parsed.netloc], int(query["rank"]), int(query["world_size"])
+
+
+def _rendezvous_store(rank: int, world_size: int, comm: Any, timeout: datetime.timedelta) -> dist.Store:
+    """Collective. Rank 0 listens on a port the system picks and holds from then on (port 0) and
+    tells the others which; they connect to it at ``MASTER_ADDR``."""
+    global _HANDLER_REGISTERED
+    if not _HANDLER_REGISTERED:
+        register_rendezvous_handler(_RENDEZVOUS_SCHEME, _rendezvous_handler)
+        _HANDLER_REGISTERED = True
+    host = os.environ["MASTER_ADDR"]
+    store = None
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, True, timeout, wait_for_workers=False)
+    port = comm.broadcast_object(store.port if store is not None else None, 0)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+    return store
 
 
 _REMOTE = {"gradients": _serve_gradients, "delta": _serve_delta, "pull": _serve_pull}
@@ -388,11 +416,11 @@ class ParameterServerStrategy(CommStrategy):
         # A rendezvous of its own for every agent: TensorPipe makes a gloo group through the store,
         # and in a store already used by an earlier agent of this process (a second fit) a rank
         # could read the earlier group's keys and call an address that is gone.
-        port = self.comm.broadcast_object(_free_port() if self.global_rank == 0 else None, 0)
+        _STORES[self._run] = _rendezvous_store(self.global_rank, self.world_size, self.comm, self._timeout)
         options: dict[str, Any] = {
             "num_worker_threads": max(16, 2 * self.world_size),
             "rpc_timeout": self._timeout.total_seconds(),
-            "init_method": f"tcp://{os.environ['MASTER_ADDR']}:{port}",
+            "init_method": f"{_RENDEZVOUS_SCHEME}://{self._run}",
         }
         if self.rpc_transports is not None:
             options["_transports"] = self.rpc_transports
@@ -466,6 +494,7 @@ class ParameterServerStrategy(CommStrategy):
                 log.warning("parameter_server: RPC shutdown: %s", err)
             for index in list(self.shards):
                 _SERVED.pop(index, None)
+        _STORES.pop(self._run, None)
         super().release_resources()
 
     # ------------------------------------------------------------------ talking to the servers

@@ -17,8 +17,9 @@ strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``preci
 (``LayeredMixedPrecision`` arguments), ``inject_inf`` (``[step, rank]``: an inf in one gradient of
 that rank at that step), ``perturb`` (``[step, rank]``: 1e-3 added to one parameter of that rank
 after that step), ``marker_at`` (touch ``OUT_DIR/running<rank>`` after that step),
-``state_trace`` (keep the strategy's state after every step), ``slow_rank`` (``[rank, seconds]``: that
-rank sleeps after every batch; every rank keeps ``train_seconds``, its training loop's time) and
+``state_trace`` (keep the strategy's state after every step, and its rank state once fit ends),
+``slow_rank`` (``[rank, seconds]``: that rank sleeps after every batch; every rank keeps
+``train_seconds``, its training loop's time) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
 average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
 ``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
@@ -411,6 +412,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "validated": trace.validated,
         "rows": trace.rows,
         "states": states.states,
+        "rank_state_after_fit": clone(strategy.rank_state_dict()) if sc.get("state_trace") else None,
         "precision": trainer.precision_plugin.state_dict(),
         "exchanges": exchanges,
         "buffers_before_end": at_end.buffers,
