@@ -9,6 +9,7 @@ they are.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -145,6 +146,7 @@ class LivenessWatch:
 
 
 _HEARTBEAT: tuple[object, Heartbeat] | None = None  # (the default process group, its heartbeat)
+_EXIT_HOOK = False  # destroy_process_group registered to run at exit
 
 
 def world_heartbeat(rank: int, world_size: int) -> Heartbeat:
@@ -290,6 +292,14 @@ def init_process_group(
     )
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    # A group still alive when the interpreter shuts down is torn down with it, gloo's worker threads
+    # included, and the process can abort there ("terminate called without an active exception")
+    # after everything else went well. Lightning registers this for NCCL only; the group made here
+    # is destroyed at exit whatever its backend (a no-op once the user destroyed it).
+    global _EXIT_HOOK
+    if not _EXIT_HOOK:
+        atexit.register(destroy_process_group)
+        _EXIT_HOOK = True
 
 
 def destroy_process_group() -> None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def _kill_one(world: int, victim: int, strategy: str = "allreduce", **kwargs) ->
             p.wait()
         for f in logs:
             f.close()
+        shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("world", "victim"), [(2, 1), (4, 2)])
