@@ -111,12 +111,12 @@ class LanguageModel(L.LightningModule):
             routed output (default 0: none).
         router_init_std: standard deviation of the routers' normal initialisation (default 0.02).
         bias_update_rate: ``balance="bias"``: how far every expert's bias moves per optimizer step
-            (default None: 1e-3, DeepSeek-V3's, with the ``"sign"`` rule; 0.5 with ``"quantile"``;
+            (default None: 1e-3, DeepSeek-V3's, with the ``"sign"`` rule; 1.0, the largest gain, with ``"quantile"``;
             see :class:`~lightning_commstrats.moe.MoELayer`).
         bias_update_rule: ``balance="bias"``: ``"sign"`` (default, DeepSeek-V3's fixed step) or
-            ``"quantile"`` (the step that would have balanced the last step's tokens, scored by the
-            router after the optimizer step; on the Brown MoE recipe it holds max/mean expert load
-            near 1.1 from step 100, where the sign rule needs hundreds of steps to undo the router's
+            ``"quantile"`` (the change that would have balanced the last step's tokens, scored by the
+            router after the optimizer step, times an adaptive gain; on the Brown MoE recipe it holds
+            max/mean expert load near 1.09 from step 100, where the sign rule needs hundreds of steps to undo the router's
             collapse during the learning-rate warm-up).
     """
 

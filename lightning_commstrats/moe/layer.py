@@ -25,11 +25,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_commstrats.comm import Communicator
-from lightning_commstrats.moe.gating import BALANCE_MODES, Routing, balancing_shift, route
+from lightning_commstrats.moe.gating import BALANCE_MODES, Routing, balancing_bias, route
 from lightning_commstrats.roles import declare
 
 BIAS_UPDATE_RULES = ("sign", "quantile")
-DEFAULT_BIAS_UPDATE_RATES = {"sign": 1e-3, "quantile": 0.5}
+DEFAULT_BIAS_UPDATE_RATES = {"sign": 1e-3, "quantile": 1.0}
+# "quantile": the gain grows by GAIN_UP when two updates in a row move the bias the same way, shrinks
+# by GAIN_DOWN when they turn back, between GAIN_FLOOR x the rate and the rate (Kesten's rule)
+GAIN_UP, GAIN_DOWN, GAIN_FLOOR = 1.25, 0.8, 0.05
 
 
 class AllToAll(torch.autograd.Function):
@@ -182,14 +185,15 @@ class MoELayer(nn.Module):
             uniform; it must stay > 0 so that ties between experts are broken.
         bias_update_rate: ``balance="bias"`` only: how far every expert's bias moves per optimizer
             step. 0 freezes the bias (DeepSeek-V3's last 500B tokens). Default None: 1e-3 with
-            ``bias_update_rule="sign"``, 0.5 with ``"quantile"``. With ``"sign"`` it is the step
+            ``bias_update_rule="sign"``, 1.0 with ``"quantile"``. With ``"sign"`` it is the step
             itself, 1e-3 being DeepSeek-V3's bias update speed (0.001 for its first 14.3T tokens,
             then 0; arXiv:2412.19437, section 4.2). The scores are softmax probabilities, about
             ``1 / num_experts`` each, so the rate is a step on that scale: too small and the bias
             needs many steps to cancel a router's preference (the load stays uneven meanwhile);
             too large and it overshoots, the overloaded expert changing from step to step (the
             sign rule never settles, it circles the balance within about one rate of bias). With
-            ``"quantile"`` it is the share, in [0, 1], of the balancing shift taken per update.
+            ``"quantile"`` it is the largest share, in [0, 1], of the balancing change taken per
+            update (the gain starts there and adapts below it).
             Tune it by the ``moe/balance`` log after warm-up.
         bias_update_rule: ``balance="bias"`` only: how the observed load sets the bias's step
             (:meth:`update_bias`), the load counted over all ranks since the last optimizer step.
@@ -199,19 +203,24 @@ class MoELayer(nn.Module):
               load is and however sharp the router: its speed is fixed in units of score, so one
               rate is both too slow to undo a router that collapsed during the learning-rate
               warm-up (hundreds of steps at 1e-3) and too coarse near balance once larger.
-            - ``"quantile"``: ``bias_e += rate * shift_e``, where ``shift_e`` is the change of
-              expert ``e``'s bias alone that would have brought its load to the mean on the
-              tokens since the last update, scored by the router *after* the optimizer step: a
-              quantile of those tokens' score margins
-              (:func:`~lightning_commstrats.moe.gating.balancing_shift`), averaged over the ranks
+            - ``"quantile"``: ``bias += gain * shift``, where ``shift`` is the change of the
+              biases that would have brought every expert's load to the mean on the tokens since
+              the last update, all experts together, scored by the router *after* the optimizer
+              step: quantiles of those tokens' score margins
+              (:func:`~lightning_commstrats.moe.gating.balancing_bias`), averaged over the ranks
               weighted by their tokens. A Newton step: its size follows how far off the load is
               and how sharp the router is, in units of score, so it is large while a router
               collapses and small near balance without a schedule; scoring with the stepped
               router removes the lag that the router's own step (large under Adam around the
-              peak learning rate) gives a rule that looks at the load already routed. Every
-              expert's shift moves tokens that another expert's shift moves too (out of one
-              and into another), so a rate of 1 overshoots, about 0.5 is a whole step. The
-              layer keeps the router inputs of the training forwards since the last update
+              peak learning rate) gives a rule that looks at the load already routed. The gain
+              follows Kesten's rule for stochastic approximation: it starts at the rate, grows
+              by 1.25x (at most to the rate) when two updates in a row move the bias the same way
+              (a lasting imbalance: too little correction) and shrinks by 0.8x (at least to 5% of
+              the rate) when they turn back (chasing one batch's noise): near the learning-rate
+              peak the router moves every step and the whole step is right; once it settles, a
+              whole step only follows batch-to-batch noise. The gain and the last step are
+              buffers (``bias_gain``, ``bias_last_step``), the same on every rank. The layer
+              keeps the router inputs of the training forwards since the last update
               (``tokens x d_model`` float32 each) until then, and :func:`update_expert_biases`
               all-reduces ``[layers, 2, experts]`` float64 instead of the int64 counts.
               Measured on the Brown MoE recipe in ``benchmarks/results/moe/balance.md``.
@@ -224,7 +233,7 @@ class MoELayer(nn.Module):
 
     # buffers every rank computes alike by construction: strategies leave them out of the buffer
     # averaging, which could only round them (the mean of N equal floats is not always that float)
-    agreed_buffers: tuple[str, ...] = ("expert_bias",)
+    agreed_buffers: tuple[str, ...] = ("expert_bias", "bias_gain", "bias_last_step")
 
     def __init__(
         self,
@@ -272,8 +281,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"bias_update_rate must be a finite number >= 0, got {bias_update_rate!r}")
         if bias_update_rule == "quantile" and bias_update_rate > 1:
             raise ValueError(
-                "bias_update_rate must be in [0, 1] with bias_update_rule='quantile' (the share of the"
-                f" balancing shift taken per update), got {bias_update_rate!r}"
+                "bias_update_rate must be in [0, 1] with bias_update_rule='quantile' (the largest share"
+                f" of the balancing change taken per update), got {bias_update_rate!r}"
             )
         self.num_experts = num_experts
         self.top_k = top_k
@@ -294,6 +303,9 @@ class MoELayer(nn.Module):
         self.bias_update_rule = bias_update_rule
         if balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(num_experts))
+            if bias_update_rule == "quantile":
+                self.register_buffer("bias_gain", torch.tensor(self.bias_update_rate))
+                self.register_buffer("bias_last_step", torch.zeros(num_experts))
         self._load_since_update: Tensor | None = None
         self._tokens_since_update: list[Tensor] = []  # "quantile": the router inputs, scored at the update
 
@@ -348,23 +360,24 @@ class MoELayer(nn.Module):
 
     def shift_since_update(self) -> Tensor:
         """``[num_experts]`` float32, ``bias_update_rule="quantile"``: over the training forwards
-        since the last :meth:`update_bias`, the sum of tokens times the balancing shift of every
-        expert (:func:`~lightning_commstrats.moe.gating.balancing_shift`), their router inputs
+        since the last :meth:`update_bias`, the sum of tokens times the balancing change of the
+        biases (:func:`~lightning_commstrats.moe.gating.balancing_bias`), their router inputs
         scored by the router and bias as they are now (call it after the optimizer step; zeros
         when no forward ran)."""
         shift = torch.zeros(self.num_experts, device=self.router.weight.device)
         with torch.no_grad():
             for tokens in self._tokens_since_update:
-                scores = F.softmax(F.linear(tokens, self.router.weight.float()), dim=-1) + self.expert_bias
-                shift = shift + balancing_shift(scores, scores.topk(self.top_k, dim=-1).indices) * tokens.shape[0]
+                probs = F.softmax(F.linear(tokens, self.router.weight.float()), dim=-1)
+                shift = shift + balancing_bias(probs, self.expert_bias, self.top_k) * tokens.shape[0]
         return shift
 
     @torch.no_grad()
     def update_bias(self, load: Tensor | None = None, shift: Tensor | None = None) -> None:
         """``balance="bias"``: move every expert's bias towards balance and start counting the load
         afresh: ``bias_e += rate * sign(mean(load) - load_e)`` (``bias_update_rule="sign"``) or
-        ``bias_e += rate * shift_e / tokens`` (``"quantile"``: ``shift`` as :meth:`shift_since_update`,
-        summed over the ranks as ``load`` is, ``tokens = sum(load) / top_k``; no step when none).
+        ``bias += gain * shift / tokens`` (``"quantile"``: ``shift`` as :meth:`shift_since_update`,
+        summed over the ranks as ``load`` is, ``tokens = sum(load) / top_k``; no step when none;
+        the gain adapted first, see the class's ``bias_update_rule``).
 
         Call it once per optimizer step, after the step, on every rank with the same ``load`` (and
         ``shift``): the slots routed to every expert since the last update summed over all ranks
@@ -379,10 +392,15 @@ class MoELayer(nn.Module):
         if self.bias_update_rule == "quantile":
             shift = (self.shift_since_update() if shift is None else shift).to(self.expert_bias.device, torch.float32)
             tokens = load.sum() / self.top_k
-            error = shift / tokens if tokens > 0 else torch.zeros_like(error)
+            step = shift / tokens.clamp(min=1)  # no tokens: no shift, a zero step, the gain kept
+            agree = (step * self.bias_last_step).sum()
+            gain = torch.where(agree > 0, self.bias_gain * GAIN_UP, self.bias_gain)
+            gain = torch.where(agree < 0, self.bias_gain * GAIN_DOWN, gain)
+            self.bias_gain.copy_(gain.clamp(GAIN_FLOOR * self.bias_update_rate, self.bias_update_rate))
+            self.expert_bias.add_(self.bias_gain * step)
+            self.bias_last_step.copy_(step)
         else:
-            error = torch.sign(error)
-        self.expert_bias.add_(error, alpha=self.bias_update_rate)
+            self.expert_bias.add_(torch.sign(error), alpha=self.bias_update_rate)
         self._load_since_update = None
         self._tokens_since_update = []
 

@@ -9,12 +9,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_commstrats import AllReduceStrategy, ExpertParallelStrategy
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.moe import MoELayer, update_expert_biases
-from lightning_commstrats.moe.gating import balancing_shift
+from lightning_commstrats.moe.gating import balancing_bias, balancing_shift
 
 
-def skewed_layer(rate=1e-3, top_k=1, experts=4, d=16):
+def skewed_layer(rate=1e-3, top_k=1, experts=4, d=16, rule="sign"):
     torch.manual_seed(0)
-    layer = MoELayer(d, 8, experts, top_k=top_k, balance="bias", bias_update_rate=rate, router_init_std=0.3)
+    layer = MoELayer(
+        d, 8, experts, top_k=top_k, balance="bias", bias_update_rate=rate, bias_update_rule=rule, router_init_std=0.3
+    )
     with torch.no_grad():
         layer.router.weight[0, 0] += 0.5  # the router loves expert 0 (tokens have feature 0 at 2)
     return layer
@@ -184,7 +186,7 @@ def test_strategies_leave_the_agreed_bias_out_of_the_buffer_averaging(strategy):
 def test_the_default_rule_and_rates():
     layer = MoELayer(8, 8, 4, balance="bias")
     assert (layer.bias_update_rule, layer.bias_update_rate) == ("sign", 1e-3)
-    assert MoELayer(8, 8, 4, balance="bias", bias_update_rule="quantile").bias_update_rate == 0.5
+    assert MoELayer(8, 8, 4, balance="bias", bias_update_rule="quantile").bias_update_rate == 1.0
     assert MoELayer(8, 8, 4, balance="bias", bias_update_rule="quantile", bias_update_rate=0.2).bias_update_rate == 0.2
 
 
@@ -217,7 +219,7 @@ def test_the_quantile_rule_undoes_a_collapsed_router_fast_and_settles():
 
     def copy(**kwargs):
         layer = MoELayer(16, 8, 4, balance="bias", **kwargs)
-        layer.load_state_dict(slow.state_dict())
+        layer.load_state_dict(slow.state_dict(), strict=False)  # a quantile layer has its gain on top
         return layer
 
     quantile, fast_sign = copy(bias_update_rule="quantile"), copy(bias_update_rate=0.05)
@@ -263,13 +265,11 @@ def test_the_balancing_shift_brings_every_expert_alone_to_the_mean(top_k):
 
 
 def test_the_quantile_rule_by_hand_and_over_ranks():
-    model = torch.nn.Sequential(skewed_layer(), skewed_layer())
-    for layer in model:
-        layer.bias_update_rule, layer.bias_update_rate = "quantile", 0.5
+    model = torch.nn.Sequential(skewed_layer(0.5, rule="quantile"), skewed_layer(0.5, rule="quantile"))
     x = tokens(2, 8)
     for layer in model:
         layer(x)
-    shifts = [balancing_shift(torch.softmax(m.router(x.reshape(-1, 16)), -1), m.routing.experts) for m in model]
+    shifts = [balancing_bias(torch.softmax(m.router(x.reshape(-1, 16)), -1), torch.zeros(4), 1) for m in model]
     calls = []
 
     def a_second_rank_with_the_same_tokens(both):
@@ -279,7 +279,8 @@ def test_the_quantile_rule_by_hand_and_over_ranks():
     update_expert_biases(model, a_second_rank_with_the_same_tokens)
     assert len(calls) == 1 and calls[0].shape == (2, 2, 4) and calls[0].dtype == torch.float64
     for layer, shift in zip(model, shifts, strict=True):
-        torch.testing.assert_close(layer.expert_bias, 0.5 * shift)  # 2 x 16 tokens x shift / (2 x 16 tokens)
+        # the first update takes the gain it starts with, the rate: 2 x 16 tokens x shift / (2 x 16 tokens)
+        torch.testing.assert_close(layer.expert_bias, 0.5 * shift)
         assert not layer.shift_since_update().any() and not layer.load_since_update().any()
 
 
@@ -290,15 +291,56 @@ def test_the_quantile_rule_takes_at_most_the_whole_shift():
 
 
 def test_the_quantile_rule_scores_the_last_tokens_with_the_router_after_the_step():
-    layer = skewed_layer(rate=0.5)
-    layer.bias_update_rule = "quantile"
+    layer = skewed_layer(rate=0.5, rule="quantile")
     x = tokens(2, 32)
     layer(x)
     stale = layer.routing.load
     with torch.no_grad():  # the optimizer step: the router now loves expert 1 instead
         layer.router.weight[[0, 1]] = layer.router.weight[[1, 0]]
     scores = torch.softmax(layer.router(x.reshape(-1, 16)), -1)
-    fresh = balancing_shift(scores, scores.argmax(-1, keepdim=True))
+    fresh = balancing_bias(scores, torch.zeros(4), 1)
     layer.update_bias()
     torch.testing.assert_close(layer.expert_bias, 0.5 * fresh)
     assert fresh[1] < 0 and stale.argmax() == 0  # the step moved the favourite: the old scores would push expert 0
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_joint_balancing_bias_lands_every_expert_on_the_mean(top_k):
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(1120, 4) + torch.tensor([1.0, 0.3, 0.0, -0.5]), -1)
+    bias = torch.tensor([0.01, 0.0, -0.02, 0.0])
+    change = balancing_bias(probs, bias, top_k)
+    load = torch.bincount((probs + bias + change).topk(top_k, -1).indices.reshape(-1), minlength=4)
+    assert (load - 280 * top_k).abs().max() <= 1, load
+    # every expert's lone shift taken whole at once overshoots: why the rounds take half of it
+    scores = probs + bias
+    whole = balancing_shift(scores, scores.topk(top_k, -1).indices)
+    overshot = torch.bincount((scores + whole).topk(top_k, -1).indices.reshape(-1), minlength=4)
+    assert (overshot - 280 * top_k).abs().max() > 50, overshot
+
+
+def test_the_quantile_gain_grows_while_the_steps_agree_and_shrinks_when_they_turn_back():
+    layer = MoELayer(8, 8, 4, balance="bias", bias_update_rule="quantile", bias_update_rate=0.8)
+    load = torch.full((4,), 10)  # 40 tokens, top-1
+    up, down = torch.tensor([1.0, -1.0, 0.0, 0.0]), torch.tensor([-1.0, 1.0, 0.0, 0.0])
+    expected_bias = torch.zeros(4)
+    # (step, gain after the update): it starts at the rate; agreeing steps grow it by 1.25x up to
+    # the rate, opposed ones shrink it by 0.8x down to 5% of the rate
+    script = [(up, 0.8), (up, 0.8), (down, 0.64), (up, 0.512), (up, 0.64), (up, 0.8), (up, 0.8)]
+    gain = 0.8
+    for i in range(20):  # turning back every time: 0.8x a turn, down to the floor, 0.04
+        gain = max(0.04, gain * 0.8)
+        script.append((down if i % 2 == 0 else up, gain))
+    for step, gain in script:
+        layer.update_bias(load, step * 40)
+        assert float(layer.bias_gain) == pytest.approx(gain)
+        expected_bias += gain * step
+        torch.testing.assert_close(layer.expert_bias, expected_bias)
+    assert gain == pytest.approx(0.04)  # the script reached the floor
+    layer.update_bias(torch.zeros(4), torch.zeros(4))  # no tokens: no step, the gain kept
+    assert float(layer.bias_gain) == pytest.approx(0.04)
+    torch.testing.assert_close(layer.expert_bias, expected_bias)
+    # the gain and the last step are checkpointed, and strategies leave them out of averaging
+    kept = {"bias_gain", "bias_last_step"}
+    assert kept <= set(layer.state_dict()) and kept <= set(layer.agreed_buffers)
+    assert "bias_gain" not in MoELayer(8, 8, 4, balance="bias").state_dict()

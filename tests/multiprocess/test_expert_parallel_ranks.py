@@ -124,3 +124,31 @@ def test_bias_balancing_agrees_over_ranks_and_expert_gradients_travel_in_one_buc
         assert "grad_experts/calls" not in res["ep"]["stats"]  # dp = 1: nothing to sum
         for name, value in res["straight"]["params"].items():
             torch.testing.assert_close(res["resumed"]["params"][name], value, atol=1e-6, rtol=0)
+
+
+def test_the_quantile_rules_gain_agrees_over_ranks_and_resumes():
+    """The quantile rule's bias, gain and last step come from the counts and shifts summed over the
+    ranks: the same on both ranks though they route other tokens, and restored by a resume."""
+    moe = {
+        "model": "moe",
+        "momentum": 0.0,
+        "model_kwargs": {"balance": "bias", "bias_update_rule": "quantile"},
+        "strategy": "expert_parallel",
+        "max_steps": 20,
+        "accumulate": 2,  # the load and shifts of two batches per update
+    }
+    scenarios = {  # the checkpoint at an epoch's end, where the worker's data resumes exactly
+        "straight": {**moe, "ckpt_every": 16},
+        "resumed": {**moe, "resume": ["straight", 16]},
+    }
+    results = run_ranks({"scenarios": scenarios}, 2)
+    names = [BIAS, BIAS.replace("expert_bias", "bias_gain"), BIAS.replace("expert_bias", "bias_last_step")]
+    for name in scenarios:
+        for key in names:
+            first, second = (r[name]["params"][key] for r in results)
+            assert torch.equal(first, second), (name, key)
+        bias, gain = results[0][name]["params"][names[0]], results[0][name]["params"][names[1]]
+        assert bias.any() and 0.05 <= float(gain) <= 1.0
+    for res in results:
+        for key in names:
+            assert torch.equal(res["resumed"]["params"][key], res["straight"]["params"][key]), key
