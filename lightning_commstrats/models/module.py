@@ -116,8 +116,8 @@ class LanguageModel(L.LightningModule):
         bias_update_rule: ``balance="bias"``: ``"sign"`` (default, DeepSeek-V3's fixed step) or
             ``"quantile"`` (the change that would have balanced the last step's tokens, scored by the
             router after the optimizer step, times an adaptive gain; on the Brown MoE recipe it holds
-            max/mean expert load near 1.09 from step 100, where the sign rule needs hundreds of steps to undo the router's
-            collapse during the learning-rate warm-up).
+            max/mean expert load near 1.09 from step 100, where the sign rule needs hundreds of steps
+            to undo the router's collapse during the learning-rate warm-up).
     """
 
     def __init__(
