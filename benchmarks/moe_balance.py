@@ -4,10 +4,7 @@
         --modes aux capacity swipe bias --out /tmp/moe_balance [-- --trainer.val_check_interval=200]
 
 A mode is ``name[:override,...]`` with ``name`` a ``--model.balance`` value and overrides of
-``--model.*`` (``bias:bias_update_rate=0.01``); an override ``layer.<argument>=<value>`` sets an
-argument of every :class:`~lightning_commstrats.moe.MoELayer` that ``LanguageModel`` does not take
-yet, by the callback :class:`LayerOptions` (``bias:layer.bias_update_rule=quantile,bias_update_rate=0.5``;
-``bias_update_rate`` is the model's, which passes its own default 1e-3 on, so give it with the rule).
+``--model.*`` (``bias:bias_update_rate=0.01``, ``bias:bias_update_rule=quantile``).
 Every run is ``recipes/train_lm.py fit`` (Lightning starts the ranks) on the same config, seed and
 number of optimizer steps, so the runs see the same samples. A callback records, after every
 optimizer step, each MoE layer's load summed over the ranks (one extra all-reduce a step, charged as
@@ -34,8 +31,6 @@ from typing import Any
 
 import lightning as L
 import torch
-
-from lightning_commstrats.moe.layer import BIAS_UPDATE_RULES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,34 +70,10 @@ class LoadRecorder(L.Callback):
             Path(self.path).write_text(json.dumps(record))
 
 
-class LayerOptions(L.Callback):
-    """Sets MoE layer arguments that ``LanguageModel`` does not pass on, on every MoE layer, before
-    fit starts; only the layer arguments listed in ``SETTABLE`` (plain attributes, no state). The
-    layer's own checks of their combination with other arguments are not run again."""
-
-    SETTABLE = ("bias_update_rule",)
-
-    def __init__(self, options: dict[str, str]) -> None:
-        unknown = sorted(set(options) - set(self.SETTABLE))
-        if unknown:
-            raise ValueError(f"layer options {unknown} cannot be set here; choose from {self.SETTABLE}")
-        if options.get("bias_update_rule", "sign") not in BIAS_UPDATE_RULES:
-            rule = options["bias_update_rule"]
-            raise ValueError(f"bias_update_rule must be one of {BIAS_UPDATE_RULES}, got {rule!r}")
-        self.options = options
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for layer in pl_module.net.moe_layers():
-            for name, value in self.options.items():
-                setattr(layer, name, value)
-
-
-def parse_mode(spec: str) -> tuple[str, list[str], dict[str, str]]:
-    """``name:a=1,layer.b=2`` -> (``name``, ``["--model.a=1"]``, ``{"b": "2"}``)."""
+def parse_mode(spec: str) -> tuple[str, list[str]]:
+    """``name:a=1,b=2`` -> (``name``, ``["--model.a=1", "--model.b=2"]``)."""
     name, _, rest = spec.partition(":")
-    items = list(filter(None, rest.split(",")))
-    layer = dict(item.removeprefix("layer.").split("=", 1) for item in items if item.startswith("layer."))
-    return name, [f"--model.{item}" for item in items if not item.startswith("layer.")], layer
+    return name, [f"--model.{item}" for item in filter(None, rest.split(","))]
 
 
 def summarize(record: dict[str, Any], warmup: int, last: int) -> dict[str, Any]:
@@ -126,7 +97,7 @@ def summarize(record: dict[str, Any], warmup: int, last: int) -> dict[str, Any]:
 
 
 def run(mode: str, seed: int, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    name, overrides, layer_options = parse_mode(mode)
+    name, overrides = parse_mode(mode)
     label = f"{mode.replace(':', '_').replace(',', '_').replace('=', '-')}_seed{seed}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,8 +106,6 @@ def run(mode: str, seed: int, args: argparse.Namespace, extra: list[str]) -> dic
         {"class_path": "lightning_commstrats.CommStatsMonitor", "init_args": {"summary_at_end": False}},
         {"class_path": "moe_balance.LoadRecorder", "init_args": {"path": str(record_path)}},
     ]
-    if layer_options:
-        callbacks.append({"class_path": "moe_balance.LayerOptions", "init_args": {"options": layer_options}})
     cmd = [
         sys.executable,
         str(REPO / "recipes" / "train_lm.py"),

@@ -196,8 +196,9 @@ def balancing_bias(probs: Tensor, bias: Tensor, top_k: int, rounds: int = 8) -> 
     skewed router, eight rounds land every expert on the mean (the test checks within one slot).
     ``rounds`` top-k selections and sorts of ``[tokens, experts]``; no host round trips.
     """
-    moved = bias.float().clone()
+    start = bias.float()
+    moved = start
     for _ in range(rounds):
         scores = probs + moved
         moved = moved + 0.5 * balancing_shift(scores, scores.topk(top_k, dim=-1).indices)
-    return moved - bias.float()
+    return moved - start

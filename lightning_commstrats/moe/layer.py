@@ -388,19 +388,18 @@ class MoELayer(nn.Module):
         if self.balance != "bias":
             raise ValueError(f"update_bias needs balance='bias', this layer has balance={self.balance!r}")
         load = (self.load_since_update() if load is None else load).to(self.expert_bias.device, torch.float32)
-        error = load.mean() - load
         if self.bias_update_rule == "quantile":
             shift = (self.shift_since_update() if shift is None else shift).to(self.expert_bias.device, torch.float32)
             tokens = load.sum() / self.top_k
             step = shift / tokens.clamp(min=1)  # no tokens: no shift, a zero step, the gain kept
             agree = (step * self.bias_last_step).sum()
-            gain = torch.where(agree > 0, self.bias_gain * GAIN_UP, self.bias_gain)
-            gain = torch.where(agree < 0, self.bias_gain * GAIN_DOWN, gain)
-            self.bias_gain.copy_(gain.clamp(GAIN_FLOOR * self.bias_update_rate, self.bias_update_rate))
+            factor = torch.where(agree > 0, GAIN_UP, torch.where(agree < 0, GAIN_DOWN, 1.0))
+            gain = (self.bias_gain * factor).clamp(GAIN_FLOOR * self.bias_update_rate, self.bias_update_rate)
+            self.bias_gain.copy_(gain)
             self.expert_bias.add_(self.bias_gain * step)
             self.bias_last_step.copy_(step)
         else:
-            self.expert_bias.add_(torch.sign(error), alpha=self.bias_update_rate)
+            self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_update_rate)
         self._load_since_update = None
         self._tokens_since_update = []
 

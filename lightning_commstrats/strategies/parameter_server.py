@@ -58,7 +58,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
@@ -238,7 +238,7 @@ def _rendezvous_handler(url: str, **kwargs: Any) -> Iterator[tuple[dist.Store, i
     url's host part), so no port is picked in advance and then bound later, a gap in which another
     process can take it."""
     parsed = urlparse(url)
-    query = dict(pair.split("=", 1) for pair in parsed.query.split("&") if pair)
+    query = dict(parse_qsl(parsed.query))
     yield _STORES[parsed.netloc], int(query["rank"]), int(query["world_size"])
 
 
