@@ -229,7 +229,7 @@ def _serve_pull(run: str, index: int) -> Tensor:
 
 
 _RENDEZVOUS_SCHEME = "commstrats-ps"
-_STORES: dict[str, dist.Store] = {}  # run id -> the store of that run's RPC rendezvous
+_STORES: dict[str, dist.Store] = {}  # run id -> the store of that run's RPC rendezvous (kept until exit)
 _HANDLER_REGISTERED = False
 
 
@@ -494,7 +494,10 @@ class ParameterServerStrategy(CommStrategy):
                 log.warning("parameter_server: RPC shutdown: %s", err)
             for index in list(self.shards):
                 _SERVED.pop(index, None)
-        _STORES.pop(self._run, None)
+        # the run's rendezvous store is kept (one listening socket and thread on rank 0 per fit) until
+        # the process ends: destroyed here, right after the agent, it went while the process was
+        # already on its next run, and once in a full-suite run (1 of 4) the next run's first
+        # collective on rank 0 hung with its peer's connection reset
         super().release_resources()
 
     # ------------------------------------------------------------------ talking to the servers
