@@ -205,6 +205,19 @@ class QuantizedAllReduce:
             self.residuals2.update(self._pending[1])
             self._pending = None
 
+    def discard(self) -> None:
+        """Drop the residuals of the last call (the old ones stay)."""
+        self._pending = None
+
+    def rebind(self, comm: Communicator, *, keep_stripes: bool) -> None:
+        """Exchange over ``comm`` from now on; without ``keep_stripes`` (another rank or number of
+        ranks) the stripe layouts and the stage-2 residuals, which belong to the old stripes, go."""
+        self.comm = comm
+        self._pending = None
+        if not keep_stripes:
+            self._layouts.clear()
+            self.residuals2.clear()
+
     def _payload(self, lay: MatrixLayout, rank: int) -> int:
         c0, c1 = lay.stripes[rank]
         return self.codec.payload_bytes(c1 - c0, lay.rows) if c1 > c0 else 0

@@ -156,10 +156,12 @@ class TensorExchange:
         """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values)."""
         return self.quantized is not None and t.dim() >= 2 and t.numel() > self.small_tensor_numel
 
-    def average(self, named: Mapping[str, Tensor], *, quantize: bool = True) -> list[str]:
+    def average(self, named: Mapping[str, Tensor], *, quantize: bool = True, commit: bool = True) -> list[str]:
         """Replace every tensor of ``named`` with its average over ranks (identical on every rank).
 
         ``quantize=False`` sends everything in fp32 (a warm start); residuals are left as they are.
+        ``commit=False`` keeps the new residuals aside until :meth:`commit` (or drops them at
+        :meth:`discard`): a caller that learns only after the exchange whether it counts.
 
         Returns the names of the tensors whose average holds an inf or a NaN (empty when all are
         finite); every rank returns the same names, since all hold the same averages. A quantized
@@ -181,9 +183,29 @@ class TensorExchange:
             bad += self.quantized.nonfinite
         if flags and not bool(torch.stack(flags).all()):
             bad += [n for n, t in small.items() if not bool(torch.isfinite(t).all())]
-        if large and not bad:  # a non-finite tensor anywhere leaves every residual as it was
+        if large and not bad and commit:  # a non-finite tensor anywhere leaves every residual as it was
             self.quantized.commit()
+        elif bad and self.quantized is not None:
+            self.quantized.discard()
         return bad
+
+    def commit(self) -> None:
+        """Keep the residuals of the last ``average(..., commit=False)``."""
+        if self.quantized is not None:
+            self.quantized.commit()
+
+    def discard(self) -> None:
+        """Drop the residuals of the last ``average(..., commit=False)``: the old ones stay."""
+        if self.quantized is not None:
+            self.quantized.discard()
+
+    def rebind(self, comm: Communicator) -> None:
+        """Exchange over ``comm`` from now on (another membership of the ranks). The stage-2 residuals
+        belong to the stripe this rank owned among the old ranks: they restart at zero when the
+        rank or the number of ranks changes; the stage-1 residuals (this rank's own error) stay."""
+        old, self.comm, self.fused.comm = self.comm, comm, comm
+        if self.quantized is not None:
+            self.quantized.rebind(comm, keep_stripes=(old.rank, old.world_size) == (comm.rank, comm.world_size))
 
     # ------------------------------------------------------------------ rank-local state
 

@@ -164,6 +164,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
         precision_plugin: Precision | None = None,
         **unknown: Any,
     ) -> None:
+        if "fault_tolerance" in unknown:
+            raise ValueError(
+                f"{type(self).__name__} cannot honour fault_tolerance: only the periodic schemes (model_averaging,"
+                " bmuf, diloco, streaming_diloco, PeriodicSyncStrategy) survive replicas that die and rejoin; a"
+                " scheme that exchanges every step needs every rank at every step"
+            )
         if unknown:
             raise TypeError(
                 f"{type(self).__name__} got unexpected keyword argument(s) {sorted(unknown)};"

@@ -45,6 +45,11 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     def __init__(
         self, sync_period: int = 8, average_optimizer_state: bool = False, pseudo_grad_bits: int = 32, **kwargs: Any
     ) -> None:
+        if kwargs.get("fault_tolerance") is not None:
+            raise ValueError(
+                "local_sgd cannot honour fault_tolerance: an MPI job ends when one of its ranks dies; use"
+                " model_averaging (the same exchange) with fault_tolerance instead"
+            )
         if not MPI4PY_AVAILABLE:
             raise ModuleNotFoundError(
                 'local_sgd needs mpi4py and an MPI runtime: `pip install "lightning-commstrats[mpi]"`'

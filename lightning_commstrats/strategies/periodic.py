@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_commstrats.buckets import flatten, unflatten_into
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import SCALES, TensorExchange, check_exchange_args
+from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, resolve_outer_optimizer
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy
@@ -62,6 +63,8 @@ class _Exchange:
     grad: Tensor
     future: Future | None = None
     nonfinite: list[str] | None = None  # names whose average is not finite (set when it lands)
+    contributes: bool = True  # fault tolerance: False for a replica that healed at this sync (it sends zeros)
+    healed: dict[str, Any] | None = None  # fault tolerance: the shared state received at this sync, to adopt
 
 
 OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
@@ -117,6 +120,14 @@ class PeriodicSyncStrategy(CommStrategy):
             result (0: blocking); must be < ``sync_period / num_fragments``.
         fragment_update_alpha: the local weights of a synced fragment become
             ``alpha * local + (1 - alpha) * global``, in [0, 1] (0: restart from the global model).
+        fault_tolerance: ``None`` (default), or the settings (a dict or a
+            :class:`~lightning_commstrats.fault_tolerance.FaultTolerance`: ``lighthouse``,
+            ``replica_id``, ``min_replicas``...) that make this job one *replica* of a run that
+            survives replicas dying and coming back (torchft; the ``[ft]`` extra). The job's own
+            ranks then average their gradients every step (synchronous data parallelism inside the
+            replica); the pseudo-gradient is averaged across the replicas alive at each sync. See
+            :mod:`lightning_commstrats.fault_tolerance` and the README's walk-through. Needs
+            ``sync_period_unit="steps"`` and no warm start.
         **kwargs: passed to :class:`~lightning_commstrats.strategies.base.CommStrategy`.
     """
 
@@ -137,9 +148,23 @@ class PeriodicSyncStrategy(CommStrategy):
         num_fragments: int = 1,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
+        fault_tolerance: FaultTolerance | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_period(sync_period, sync_period_unit)
+        ft = FaultTolerance.of(fault_tolerance)
+        if ft is not None:
+            import_torchft()  # without the [ft] extra: the install hint now
+            if sync_period_unit != "steps":
+                raise ValueError(
+                    f"fault_tolerance needs sync_period_unit='steps', got {sync_period_unit!r}: replicas agree on"
+                    " when to sync by counting optimizer steps (a replica that heals takes over the step count)"
+                )
+            if parallelization_start:
+                raise ValueError(
+                    f"fault_tolerance does not take a warm start (parallelization_start={parallelization_start}):"
+                    " across replicas only the periodic exchange is fault tolerant"
+                )
         if not isinstance(parallelization_start, int) or parallelization_start < 0:
             raise ValueError(f"parallelization_start must be an int >= 0, got {parallelization_start!r}")
         if isinstance(pseudo_grad_bits, bool) or pseudo_grad_bits not in PSEUDO_GRAD_BITS:
@@ -186,6 +211,10 @@ class PeriodicSyncStrategy(CommStrategy):
         self.num_fragments = num_fragments
         self.fragment_sync_delay = fragment_sync_delay
         self.fragment_update_alpha = fragment_update_alpha
+        self.fault_tolerance = ft
+        self._replica: ReplicaSync | None = None  # the replica's torchft membership (its rank 0 only)
+        self._relay: Communicator | None = None  # the replica's ranks, for what its rank 0 decided
+        self._shared: dict[str, Any] | None = None  # what a healing peer receives (snapshot of the last sync)
         self.started = False  # past the warm start
         self.outer: OuterOptimizer | None = None
         self._block_start: list[int] = []  # progress when each fragment's current block began
@@ -212,17 +241,20 @@ class PeriodicSyncStrategy(CommStrategy):
         """
         if self._exchange is None:
             comm: Communicator = self.comm.duplicate() if self.fragment_sync_delay else self.comm
-            self._exchange = TensorExchange(
-                comm,
-                self.pseudo_grad_bits,
-                half_dtype=self.half_dtype,
-                small_tensor_numel=self.small_tensor_numel,
-                tag="weights",
-                scales=self.pseudo_grad_scales,
-                bucket_cap_mb=self.bucket_cap_mb,
-                keep_buffers=False,  # once per period, a whole fragment: not worth a standing copy
-            )
+            self._exchange = self._make_exchange(comm)
         return self._exchange
+
+    def _make_exchange(self, comm: Communicator) -> TensorExchange:
+        return TensorExchange(
+            comm,
+            self.pseudo_grad_bits,
+            half_dtype=self.half_dtype,
+            small_tensor_numel=self.small_tensor_numel,
+            tag="weights",
+            scales=self.pseudo_grad_scales,
+            bucket_cap_mb=self.bucket_cap_mb,
+            keep_buffers=False,  # once per period, a whole fragment: not worth a standing copy
+        )
 
     @override
     def setup_scheme(self) -> None:
@@ -231,7 +263,9 @@ class PeriodicSyncStrategy(CommStrategy):
         if self.num_fragments > n:
             raise ValueError(f"num_fragments={self.num_fragments} is larger than the model's {n} parameter tensors")
         self._bounds = fragment_bounds([p.numel() for p in self.params], self.num_fragments)
-        if self.world_size > 1:
+        if self.fault_tolerance is not None:
+            self._join_replicas()
+        elif self.world_size > 1:
             _ = self.exchange  # every rank makes its channel now, in the same order
 
     # ------------------------------------------------------------------ parameters as vectors
@@ -292,8 +326,8 @@ class PeriodicSyncStrategy(CommStrategy):
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
-        if not self.started and self.world_size > 1:
-            # warm start: fully synchronous data parallelism
+        if (not self.started or self.fault_tolerance is not None) and self.world_size > 1:
+            # warm start, or inside a fault-tolerant replica: fully synchronous data parallelism
             self.all_reduce_fused([dense_grad(p) for p in trainable_params(optimizer)], tag="grad")
 
     @override
@@ -317,6 +351,8 @@ class PeriodicSyncStrategy(CommStrategy):
         super().on_train_start()  # restores a checkpoint's state first
         if not self.started and self.parallelization_start == 0:
             self._start()
+        if self.fault_tolerance is not None:
+            self._first_quorum()
 
     def _launch(self, fragment: int, background: bool) -> None:
         """Start averaging ``fragment``'s pseudo-gradient ``G = w_start - w_local``."""
@@ -328,7 +364,9 @@ class PeriodicSyncStrategy(CommStrategy):
         self._block_start[fragment] = self._progress()
         delay = self.fragment_sync_delay if background else 0
         pending = _Exchange(fragment, self.optimizer_steps, self.optimizer_steps + delay, grad)
-        if background and self.world_size > 1:
+        if self.fault_tolerance is not None:
+            self._shared = self._shared_state(pending)  # read by a healing peer during this sync's quorum
+        if background and (self.world_size > 1 or self.fault_tolerance is not None):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
             side = None
@@ -340,17 +378,22 @@ class PeriodicSyncStrategy(CommStrategy):
                     self._side_stream = torch.cuda.Stream(device=grad.device)
                 side = self._side_stream
                 side.wait_stream(torch.cuda.current_stream(grad.device))
-            pending.future = self._pool.submit(self._exchange_on, side, named)
+            pending.future = self._pool.submit(self._exchange_on, side, pending, named)
         else:
-            pending.nonfinite = self.average_pseudo_gradient(named)
+            pending.nonfinite = self._average(pending, named)
         self._inflight = pending
 
-    def _exchange_on(self, stream: torch.cuda.Stream | None, named: dict[str, Tensor]) -> list[str]:
+    def _exchange_on(self, stream: torch.cuda.Stream | None, pending: _Exchange, named: dict[str, Tensor]) -> list[str]:
         """The background thread's work: the average, on ``stream`` when on CUDA."""
         if stream is None:
-            return self.average_pseudo_gradient(named)
+            return self._average(pending, named)
         with torch.cuda.stream(stream):
-            return self.average_pseudo_gradient(named)
+            return self._average(pending, named)
+
+    def _average(self, pending: _Exchange, named: dict[str, Tensor]) -> list[str]:
+        if self.fault_tolerance is not None:
+            return self._replica_average(pending)
+        return self.average_pseudo_gradient(named)
 
     def average_pseudo_gradient(self, named: dict[str, Tensor]) -> list[str]:
         """Average the named pseudo-gradient tensors over ranks in place (identical on every rank);
@@ -361,7 +404,10 @@ class PeriodicSyncStrategy(CommStrategy):
         """The outer step of the fragment in flight; its local weights restart from (or mix with) the result."""
         self.wait_for_exchange()  # re-raises a failed exchange here
         pending, self._inflight = self._inflight, None
-        assert pending is not None and self.outer is not None
+        assert pending is not None
+        if pending.healed is not None:  # this replica healed at this sync: it takes the run's state first
+            self._adopt(pending.healed)
+        assert self.outer is not None
         f = pending.fragment
         if pending.nonfinite and self.handle_nonfinite(pending.nonfinite, f"pseudo-gradients (fragment {f})"):
             # the block is discarded on every rank: no outer step, the fragment restarts from the global model
@@ -413,7 +459,196 @@ class PeriodicSyncStrategy(CommStrategy):
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self._replica is not None:  # the run is over for this replica: leave the quorums
+            self._replica.shutdown()
+            self._replica = None
         super().on_train_end()
+
+    # ------------------------------------------------------------------ fault tolerance across replicas
+
+    def _join_replicas(self) -> None:
+        """Connect this replica to the run: its rank 0 starts the torchft Manager (and checks the
+        Lighthouse); the other ranks learn whether that worked, so that none waits for ever."""
+        assert self.fault_tolerance is not None
+        self._relay = self.comm.duplicate() if self.fragment_sync_delay and self.world_size > 1 else self.comm
+        failure = None
+        if self.global_rank == 0 and self._replica is None:
+            try:
+                self._replica = ReplicaSync(self.fault_tolerance, self.root_device, self._heal_source, self.comm.stats)
+            except (ConnectionError, OSError, RuntimeError) as err:
+                failure = f"{type(err).__name__}: {err}"
+        failure = self.comm.broadcast_object(failure, 0)
+        if failure is not None:
+            raise ConnectionError(f"replica {self.fault_tolerance.replica_id!r} could not join the run: {failure}")
+
+    def _heal_source(self) -> dict[str, Any]:
+        """What a healing peer receives (torchft calls this in its quorum thread): the snapshot taken
+        when this sync began; its tensors (the global model, the outer optimizer's state) change only
+        once the sync has committed, after every healing peer has taken them."""
+        assert self._shared is not None, "a peer asked to heal from a replica that has not synced"
+        return self._shared
+
+    def _shared_state(self, pending: _Exchange | None) -> dict[str, Any]:
+        """The state every replica shares: the global model and outer optimizer, the schedule, the
+        step count, the learning-rate schedules (the schedulers and the inner optimizers'
+        hyperparameters); and the sync under way (its fragment and steps)."""
+        assert self.outer is not None
+        trainer = self.trainer
+        schedulers = [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs] if trainer else []
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "samples_per_worker": self.samples_per_worker,
+            "block_start": list(self._block_start),
+            "outer": self.outer.state_dict(),
+            "sync": None if pending is None else (pending.fragment, pending.started_at, pending.apply_at),
+            "lr_schedulers": schedulers,
+            # the hyperparameters a schedule set (a scheduler's state alone does not restore them)
+            "param_groups": [
+                [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+                for opt in self.optimizers
+            ],
+        }
+
+    def _adopt(self, state: dict[str, Any]) -> None:
+        """Take the run's shared state (from the replica that healed this one, or the first quorum's
+        agreement). Local weights restart from the global model; quantization residuals restart at
+        zero (they are this replica's own error on a trajectory the run did not keep; a peer's
+        residual would count that peer's error twice); the inner optimizers keep their own state
+        (a peer's is read while it trains, and Adam's moments rebuild in a few steps)."""
+        outer = OuterOptimizer(self.outer_factory())
+        outer.load_state_dict(state["outer"], self.root_device)
+        self.outer, self.started = outer, True
+        self._block_start = [int(b) for b in state["block_start"]]
+        for f in range(self.num_fragments):
+            self.load_flat(outer.start_point(f), f)
+        if self._exchange is not None:
+            self._exchange.reset()
+        self.samples_per_worker = self._samples_at_step = int(state["samples_per_worker"])
+        self._samples_total_all_ranks = self.samples_per_worker * self.world_size
+        steps = int(state["optimizer_steps"])
+        for opt, groups in zip(self.optimizers, state["param_groups"], strict=True):
+            for group, saved in zip(opt.param_groups, groups, strict=True):
+                group.update(saved)
+        trainer = self.trainer
+        if trainer is not None:
+            for cfg, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
+                cfg.scheduler.load_state_dict(saved)
+            if steps != self.optimizer_steps:
+                set_trainer_steps(trainer, steps)
+        self.optimizer_steps = steps
+
+    def _first_quorum(self) -> None:
+        """At the start of fit: agree with the replicas alive on the run's state. With the first quorum
+        of the run (every replica at step 0) that is replica 0's state, broadcast; a replica that
+        (re)joins a running run heals from a live peer and takes part in the sync it found under way."""
+        assert self.fault_tolerance is not None and self._relay is not None
+        first: Quorum | None = None
+
+        def attempt(_: int) -> bool:
+            nonlocal first
+            kind, state = None, None
+            if self._replica is not None:
+                first = self._replica.quorum()
+                if first.healed is not None:
+                    kind, state = "heal", first.healed
+                else:  # the run's first quorum: replica 0's state is everyone's
+                    kind = "init"
+                    try:
+                        mine = self._shared_state(None) if first.comm.rank == 0 else None
+                        state = first.comm.broadcast_object(mine, 0, tag="weights")
+                        ok, err = True, None
+                    except RuntimeError as e:
+                        ok, err = False, e
+                    if not self._replica.commit(ok, err):
+                        kind, state = "retry", None
+            kind, state = self._relay.broadcast_object((kind, state), 0)
+            if kind == "retry":
+                return False
+            self._adopt(state)
+            if kind == "heal" and state["sync"] is not None:
+                # the others are in a sync: take part (sending zeros), then apply it when they do
+                fragment, started_at, apply_at = state["sync"]
+                pending = _Exchange(
+                    fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False
+                )
+                self._shared = self._shared_state(pending)
+                # adopted already: in this sync's exchange the quorum counts as a plain one
+                pending.nonfinite = self._replica_average(
+                    pending, None if first is None else replace(first, healed=None)
+                )
+                self._inflight = pending
+                if self.optimizer_steps >= apply_at:
+                    self._apply()
+            else:
+                self._shared = self._shared_state(None)
+            return True
+
+        run_attempts(self.fault_tolerance.max_sync_attempts, attempt, "joining the run")
+
+    def _replica_average(self, pending: _Exchange, first: Quorum | None = None) -> list[str]:
+        """Average ``pending``'s pseudo-gradient over the replicas of a quorum (main thread, or the
+        background one with a delay), retried over a new quorum until it commits. Every rank of the
+        replica calls it; rank 0 exchanges and the others receive its result. Returns the names
+        whose average is not finite."""
+        assert self.fault_tolerance is not None and self._relay is not None
+        grad = pending.grad
+        backup = grad.clone()  # the block's pseudo-gradient, for a retry after a failed exchange
+        nonfinite: list[str] = []
+
+        def attempt(_: int) -> bool:
+            nonlocal first, nonfinite
+            committed, healed = False, None
+            if self._replica is not None:
+                quorum, first = first or self._replica.quorum(), None
+                if quorum.healed is not None:  # behind the run (a failed sync): heal, send zeros
+                    healed, pending.contributes = quorum.healed, False
+                    grad.zero_()
+                    backup.zero_()
+                exchange = self._bind_exchange(quorum.comm)
+                if healed is not None:
+                    exchange.reset()
+                try:
+                    nonfinite = exchange.average(self._named_views(pending.fragment, grad), commit=False)
+                    count = torch.tensor([1.0 if pending.contributes else 0.0], device=grad.device)
+                    took_part = float(quorum.comm.all_reduce(count, tag="control").item())
+                    if took_part > 0 and took_part != quorum.comm.world_size:
+                        grad.mul_(quorum.comm.world_size / took_part)  # the mean over those who trained
+                    ok, err = True, None
+                except RuntimeError as e:
+                    ok, err = False, e
+                committed = self._replica.commit(ok, err)
+                if committed:
+                    exchange.commit()
+                else:
+                    exchange.discard()
+            committed, healed, nonfinite = self._relay.broadcast_object((committed, healed, nonfinite), 0)
+            if not committed:
+                grad.copy_(backup)
+                return False
+            if self.world_size > 1:
+                self._relay.broadcast(grad, 0, tag="weights")
+            if healed is not None:
+                pending.healed = healed
+            return True
+
+        run_attempts(self.fault_tolerance.max_sync_attempts, attempt, f"the sync of fragment {pending.fragment}")
+        return nonfinite
+
+    def _bind_exchange(self, comm: Communicator) -> TensorExchange:
+        """The exchange over this quorum's replicas (made at the first quorum, rebound at each one after)."""
+        if self._exchange is None:
+            self._exchange = self._make_exchange(comm)
+        else:
+            self._exchange.rebind(comm)
+        return self._exchange
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        kwargs = super().distributed_sampler_kwargs
+        if self.fault_tolerance is not None:  # every replica its own data order
+            kwargs["seed"] = self.fault_tolerance.data_seed()
+        return kwargs
 
     # ------------------------------------------------------------------ validation on the global model
 
@@ -524,8 +759,11 @@ class PeriodicSyncStrategy(CommStrategy):
             outer.check_state(state["outer"], sizes)
         if len(state["block_start"]) not in (0, self.num_fragments):
             raise ValueError(f"it has {len(state['block_start'])} fragments and this run {self.num_fragments}")
-        if rank_state["exchange"] is not None:
-            self.exchange.check_state(rank_state["exchange"], {self.param_name(p): p.shape for p in self.params})
+        # across fault-tolerant replicas the residuals restart at zero, as after a heal: the stripes
+        # they belong to depend on the quorum, which is not known before the first sync
+        residuals = rank_state["exchange"] if self.fault_tolerance is None else None
+        if residuals is not None:
+            self.exchange.check_state(residuals, {self.param_name(p): p.shape for p in self.params})
         super().load_state_dict(state, rank_state)
         self.started = bool(state["started"])
         self._block_start = [int(b) for b in state["block_start"]]
@@ -546,8 +784,8 @@ class PeriodicSyncStrategy(CommStrategy):
                 self.load_flat(self.outer.start_point(f), f)
         for optimizer, opt_state in zip(self.optimizers, rank_state["optimizers"], strict=True):
             optimizer.load_state_dict(opt_state)
-        if rank_state["exchange"] is not None:
-            self.exchange.load_state_dict(rank_state["exchange"])
+        if residuals is not None:
+            self.exchange.load_state_dict(residuals)
 
     @override
     def reset_state(self) -> None:
@@ -579,6 +817,19 @@ def fragment_bounds(sizes: list[int], num_fragments: int) -> list[tuple[int, int
         begin = end
     bounds.append((begin, len(sizes)))
     return bounds
+
+
+def set_trainer_steps(trainer: Any, steps: int) -> None:
+    """Make the Trainer count ``steps`` optimizer steps done (its ``global_step``), so that a replica
+    that healed from a peer stops at the same ``max_steps`` as the run."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = (
+        epoch_loop.automatic_optimization.optim_progress.optimizer.step
+        if trainer.lightning_module.automatic_optimization
+        else epoch_loop.manual_optimization.optim_step_progress
+    )
+    progress.total.ready = progress.total.completed = steps
+    epoch_loop._batches_that_stepped = steps
 
 
 def reset_momentum(optimizer: Optimizer, param_ids: set[int] | None = None) -> None:
@@ -650,6 +901,11 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
             pseudo_grad_bits=pseudo_grad_bits,
             **kwargs,
         )
+        if average_optimizer_state and self.fault_tolerance is not None:
+            raise ValueError(
+                "average_optimizer_state=True cannot be honoured with fault_tolerance: the optimizer state is"
+                " averaged inside a replica only (where it is already the same), never across replicas"
+            )
         self.average_optimizer_state = average_optimizer_state
 
     @override

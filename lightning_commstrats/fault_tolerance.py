@@ -1,0 +1,399 @@
+"""Fault-tolerant periodic training on torchft: replica groups that die, rejoin and heal while the run goes on.
+
+A *replica* is one Lightning job of its own (one or more devices, its own process group for what
+runs inside it every step, its own launcher). The replicas of a run find each other through a
+torchft Lighthouse; the periodic schemes (``model_averaging``, ``bmuf``, ``diloco``,
+``streaming_diloco``) exchange their pseudo-gradients across replicas over torchft's
+reconfigurable process group, once per sync, with torchft's ``Manager`` deciding membership
+(the quorum) and whether a sync counts (``should_commit``).
+
+What this module holds (no Lightning here):
+
+- :class:`FaultTolerance`: the user's settings (``fault_tolerance=`` of every periodic strategy,
+  a dict or this object), checked at construction;
+- :class:`ReplicaCommunicator`: the package's :class:`~lightning_commstrats.comm.Communicator` over
+  torchft's process group of one quorum, so the fp32 average and the packed n-bit exchange run
+  unchanged across replicas and every byte is charged to ``comm_stats``;
+- :class:`ReplicaSync`: the replica's torchft ``Manager`` (held by the replica's rank 0, which
+  speaks for its replica), its quorum, commit and healing;
+- :func:`lighthouse_main`: the ``commstrats-lighthouse`` console command (torchft's Lighthouse).
+
+How a sync goes (:meth:`PeriodicSyncStrategy <lightning_commstrats.strategies.periodic.PeriodicSyncStrategy>`
+drives it):
+
+1. quorum: the replicas alive now; the process group is reconfigured when membership changed.
+   A replica whose committed step is behind the quorum's highest (a fresh replica, one restarted,
+   one whose last sync failed) *heals*: it receives the shared state of a replica at the highest
+   step (torchft picks the source by committed step, never by who answers first, so a replica
+   restarted from a fresh initialisation never overwrites the others).
+2. exchange: every replica's pseudo-gradient is averaged; a replica that has just healed sends
+   zeros and is not counted, so the average divides by the replicas that trained the block.
+3. commit: ``should_commit``. A replica that died during the exchange makes it fail on the
+   survivors; they discard the result (their pseudo-gradient and residuals are restored), form a
+   new quorum and run the exchange again: a partial average is never applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from lightning_utilities.core.imports import RequirementCache
+from torch import Tensor
+
+from lightning_commstrats.comm.base import CollectiveError, Communicator
+from lightning_commstrats.comm.stats import CommStats
+
+log = logging.getLogger(__name__)
+
+TORCHFT_AVAILABLE = RequirementCache("torchft")
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+INSTALL_HINT = 'fault tolerance needs torchft: pip install "lightning-commstrats[ft]"'
+
+
+def import_torchft() -> Any:
+    """The ``torchft`` module, or ``ModuleNotFoundError`` with the install hint."""
+    if not TORCHFT_AVAILABLE:
+        raise ModuleNotFoundError(f"{INSTALL_HINT} ({TORCHFT_AVAILABLE.message})")
+    import torchft
+
+    return torchft
+
+
+@dataclass
+class FaultTolerance:
+    """Fault-tolerance settings of a periodic scheme (``fault_tolerance=`` of ``model_averaging``,
+    ``bmuf``, ``diloco``, ``streaming_diloco``, :class:`~lightning_commstrats.PeriodicSyncStrategy`).
+
+    Args:
+        lighthouse: the Lighthouse's address, such as ``"http://host:29510"``
+            (``commstrats-lighthouse --port 29510 --min-replicas K`` starts one); ``None`` reads
+            torchft's ``TORCHFT_LIGHTHOUSE`` environment variable.
+        replica_id: this replica's name, unique in the run (a restarted replica takes its old
+            name again). It also seeds the replica's data order, so that replicas do not train on
+            the same batches in the same order.
+        min_replicas: the fewest replicas a sync may average over. With fewer alive, the replica
+            waits for others to join, at most ``quorum_timeout`` seconds, then fails saying so.
+            The Lighthouse's own ``--min-replicas`` should be the same.
+        quorum_timeout: seconds a sync waits for a quorum (the other replicas reach their sync
+            point, or new ones join); the longest block of local steps between syncs must fit
+            in it, or a replica that is merely slower makes the others fail.
+        timeout: seconds a cross-replica collective may take before it counts as failed (and the
+            checkpoint transfer of a heal). Must exceed the time of an exchange on the slowest link.
+        connect_timeout: seconds to reach the Lighthouse and the other replicas' managers.
+        max_sync_attempts: how many times one sync is tried (a new quorum each time) before the
+            replica gives up with an error.
+        hostname: the name other replicas reach this one at (default: this machine's host name).
+    """
+
+    lighthouse: str | None = None
+    replica_id: str = ""
+    min_replicas: int = 1
+    quorum_timeout: float = 300.0
+    timeout: float = 60.0
+    connect_timeout: float = 10.0
+    max_sync_attempts: int = 10
+    hostname: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lighthouse is None:
+            self.lighthouse = os.environ.get(LIGHTHOUSE_ENV) or None
+        if not self.lighthouse:
+            raise ValueError(
+                f"fault_tolerance.lighthouse is not set and {LIGHTHOUSE_ENV} is empty: give the Lighthouse's"
+                " address, such as 'http://host:29510' (start one with `commstrats-lighthouse --port 29510`)"
+            )
+        parsed = urlparse(self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}")
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+            raise ValueError(
+                f"fault_tolerance.lighthouse={self.lighthouse!r} is not an address such as 'http://host:29510'"
+            )
+        self.lighthouse = f"{parsed.scheme}://{parsed.hostname}:{parsed.port}"
+        if not isinstance(self.replica_id, str) or not self.replica_id or ":" in self.replica_id:
+            raise ValueError(
+                f"fault_tolerance.replica_id must be a non-empty name without ':', unique in the run,"
+                f" got {self.replica_id!r}"
+            )
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ValueError(f"fault_tolerance.min_replicas must be an int >= 1, got {self.min_replicas!r}")
+        for name in ("quorum_timeout", "timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"fault_tolerance.{name} must be a number of seconds > 0, got {value!r}")
+        if self.timeout >= self.quorum_timeout:
+            # a quorum that gave up before a slow collective on the others could end would split the run
+            raise ValueError(
+                f"fault_tolerance.timeout={self.timeout} must be < quorum_timeout={self.quorum_timeout}"
+                " (the timeouts nest: a collective ends before a quorum gives up)"
+            )
+        attempts = self.max_sync_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ValueError(f"fault_tolerance.max_sync_attempts must be an int >= 1, got {attempts!r}")
+
+    @classmethod
+    def of(cls, value: FaultTolerance | Mapping[str, Any] | None) -> FaultTolerance | None:
+        """``value`` as settings: ``None``, an instance, or a dict of its fields (unknown keys are an error)."""
+        if value is None or isinstance(value, FaultTolerance):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"fault_tolerance must be a dict, a FaultTolerance or None, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"fault_tolerance got unknown setting(s) {unknown}; it takes {sorted(known)}")
+        return cls(**value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def data_seed(self) -> int:
+        """A seed for this replica's data order, derived from its name (the same after a restart)."""
+        import zlib
+
+        return zlib.crc32(self.replica_id.encode()) & 0x7FFFFFFF
+
+
+def check_lighthouse(config: FaultTolerance) -> None:
+    """Raise ``ConnectionError`` naming the setting when the Lighthouse cannot be reached within
+    ``connect_timeout`` (instead of a quorum that waits for ever)."""
+    parsed = urlparse(config.lighthouse)
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port), timeout=config.connect_timeout):
+            pass
+    except OSError as err:
+        raise ConnectionError(
+            f"fault_tolerance.lighthouse={config.lighthouse!r} cannot be reached within connect_timeout="
+            f"{config.connect_timeout} s ({err}); start it with `commstrats-lighthouse --port {parsed.port}`"
+        ) from err
+
+
+class ReplicaCommunicator(Communicator):
+    """The collectives of one quorum, over torchft's reconfigurable process group (one member per
+    replica). Made anew for every quorum (its rank and size are the quorum's); charges the
+    replica's :class:`CommStats`. A failed collective raises
+    :class:`~lightning_commstrats.comm.CollectiveError`, which the sync turns into a failed commit."""
+
+    backend = "torchft"
+
+    def __init__(self, pg: Any, rank: int, world_size: int, stats: CommStats, device: torch.device) -> None:
+        self.pg = pg
+        self.device = device
+        super().__init__(rank=rank, world_size=world_size, stats=stats)
+
+    def _all_reduce(self, tensor: Tensor, op: str) -> None:
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
+        self.pg.allreduce([tensor], opts).wait()
+
+    def _reduce_scatter(self, out: Tensor, tensor: Tensor, op: str) -> None:
+        # gloo has no reduce-scatter: nothing in the cross-replica exchange needs one
+        raise NotImplementedError("the cross-replica communicator has no reduce_scatter")
+
+    def _all_gather(self, out: Tensor, tensor: Tensor) -> None:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        self.pg.allgather([list(out.unbind(0))], [tensor], AllgatherOptions()).wait()
+
+    def _all_to_all(self, out: Tensor, tensor: Tensor, recv_splits: list[int], send_splits: list[int]) -> None:
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        self.pg.alltoall_base(out, tensor, recv_splits, send_splits, AllToAllOptions()).wait()
+
+    def _broadcast(self, tensor: Tensor, src: int) -> None:
+        from torch.distributed.distributed_c10d import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([tensor], opts).wait()
+
+    def _barrier(self) -> None:
+        one = torch.zeros(1, device=self.device)
+        self._all_reduce(one, "sum")
+
+
+@dataclass
+class Quorum:
+    """What one quorum gave this replica."""
+
+    comm: ReplicaCommunicator
+    step: int  # this replica's committed step after the quorum (the source's when it healed)
+    healed: dict[str, Any] | None  # the shared state received from a live peer, when this replica healed
+
+
+class ReplicaSync:
+    """A replica's membership in the run: its torchft ``Manager`` and the process group across replicas.
+
+    Held by the replica's rank 0 alone, which speaks for its replica (one member of the quorum per
+    replica; the replica's other ranks follow it over their own process group).
+
+    Args:
+        config: the settings.
+        device: the device the exchange's tensors live on (NCCL across replicas on CUDA, gloo on CPU).
+        state_dict: returns the shared state a healing peer receives (called by torchft in its
+            quorum thread: return a snapshot, or tensors nobody changes until the sync commits).
+        stats: the statistics the cross-replica collectives charge.
+    """
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        device: torch.device,
+        state_dict: Callable[[], dict[str, Any]],
+        stats: CommStats,
+    ) -> None:
+        torchft = import_torchft()
+        from torch.distributed import TCPStore
+
+        check_lighthouse(config)
+        self.config = config
+        self.device = device
+        self.stats = stats
+        self._state_dict = state_dict
+        self._received: dict[str, Any] | None = None
+        timeout = timedelta(seconds=config.timeout)
+        # the replica's own rendezvous store for torchft (the Manager's address, the quorums' keys)
+        self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        pg_class = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+        self.pg = pg_class(timeout=timeout)
+        hostname = config.hostname or socket.gethostname()
+        self.manager = torchft.Manager(
+            pg=self.pg,
+            load_state_dict=self._receive,
+            state_dict=self._state_dict,
+            min_replica_size=config.min_replicas,
+            use_async_quorum=False,  # a quorum per sync, healed before the exchange
+            # no heal at step 0: the first quorum agrees on one replica's model by a broadcast
+            # (torchft's step-0 heal is not served by its source)
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout),
+            connect_timeout=timedelta(seconds=config.connect_timeout),
+            rank=0,
+            world_size=1,
+            store_addr=hostname,
+            store_port=self._store.port,
+            lighthouse_addr=config.lighthouse,
+            replica_id=config.replica_id,
+            hostname=hostname,
+        )
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        self._received = state
+
+    @property
+    def step(self) -> int:
+        """This replica's committed step (syncs that committed, plus the run's first agreement)."""
+        return self.manager.current_step()
+
+    def quorum(self) -> Quorum:
+        """Join the next quorum; waits for ``min_replicas`` replicas at most ``quorum_timeout`` seconds."""
+        config = self.config
+        deadline = time.monotonic() + config.quorum_timeout
+        while True:
+            self._received = None
+            try:
+                self.manager.start_quorum(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+            except Exception as err:
+                raise TimeoutError(
+                    f"no quorum of fault_tolerance.min_replicas={config.min_replicas} replica(s) formed at"
+                    f" {config.lighthouse} within quorum_timeout={config.quorum_timeout} s ({err})"
+                ) from err
+            n = self.manager.num_participants()
+            if n >= config.min_replicas and self.manager.errored() is None:
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"only {n} replica(s) alive, fewer than fault_tolerance.min_replicas={config.min_replicas},"
+                    f" for quorum_timeout={config.quorum_timeout} s (Lighthouse {config.lighthouse})"
+                )
+            time.sleep(min(1.0, config.quorum_timeout / 10))
+        rank = self.manager.participating_rank()
+        assert rank is not None
+        comm = ReplicaCommunicator(self.pg, rank, n, self.stats, self.device)
+        return Quorum(comm=comm, step=self.step, healed=self._received)
+
+    def commit(self, ok: bool, error: BaseException | None = None) -> bool:
+        """Whether the sync counts: ``False`` when this replica's exchange failed (``ok`` false), the
+        process group reported an error, or fewer than ``min_replicas`` took part."""
+        if not ok:
+            self.manager.report_error(error if isinstance(error, Exception) else RuntimeError("exchange failed"))
+        return bool(self.manager.should_commit(timeout=timedelta(seconds=self.config.timeout)))
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def run_attempts(
+    attempts: int, attempt: Callable[[int], bool], what: str, on_failure: Callable[[], None] | None = None
+) -> None:
+    """Call ``attempt(i)`` until it returns True, at most ``attempts`` times; ``on_failure`` after each
+    failed one. Raises ``RuntimeError`` naming ``what`` when none succeeded."""
+    for i in range(attempts):
+        if attempt(i):
+            return
+        if on_failure is not None:
+            on_failure()
+    raise RuntimeError(
+        f"{what} failed {attempts} times in a row (fault_tolerance.max_sync_attempts={attempts}); see the"
+        " torchft log lines above for why each attempt did not commit"
+    )
+
+
+def exchange_failed(err: BaseException) -> bool:
+    """Whether ``err`` is a failed cross-replica collective (a peer died or timed out): the sync is retried."""
+    return isinstance(err, (CollectiveError, RuntimeError, TimeoutError, ConnectionError))
+
+
+def lighthouse_main(argv: list[str] | None = None) -> None:
+    """``commstrats-lighthouse --port P --min-replicas K``: run torchft's Lighthouse until interrupted."""
+    parser = argparse.ArgumentParser(
+        prog="commstrats-lighthouse",
+        description="Start the torchft Lighthouse that forms the quorums of a fault-tolerant periodic run.",
+    )
+    parser.add_argument("--port", type=int, default=29510, help="port to listen on (0: any free port)")
+    parser.add_argument("--bind", default="[::]", help="address to listen on (default: every interface)")
+    parser.add_argument("--min-replicas", type=int, default=1, help="fewest replicas a quorum may have")
+    parser.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=1000,
+        help="how long a quorum waits for more replicas once min-replicas have joined, ms",
+    )
+    parser.add_argument("--quorum-tick-ms", type=int, default=100, help="how often quorums are computed, ms")
+    parser.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=5000, help="a replica silent this long counts as dead, ms"
+    )
+    args = parser.parse_args(argv)
+    if args.min_replicas < 1:
+        parser.error(f"--min-replicas must be >= 1, got {args.min_replicas}")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    import_torchft()
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(
+        bind=f"{args.bind}:{args.port}",
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        quorum_tick_ms=args.quorum_tick_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    print(f"commstrats-lighthouse: listening at {server.address()} (min replicas {args.min_replicas})", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()

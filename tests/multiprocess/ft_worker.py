@@ -1,0 +1,187 @@
+"""One replica of a fault-tolerant periodic run (a Lightning job of its own): trains a small model
+with a periodic scheme whose ``fault_tolerance`` points at the test's Lighthouse, records every sync
+it committed, and saves what it ended with to ``<out>/<replica_id>.pt``.
+
+A replica can be told to die by SIGKILL (no clean-up, as a machine that fails): after a given
+optimizer step (mid-block), or inside the n-th cross-replica collective of a given sync (an
+exchange in flight).
+
+Usage: python ft_worker.py '<json spec>' <out dir>
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_commstrats  # noqa: F401  (registers the names)
+from lightning_commstrats import fault_tolerance as ft
+from lightning_commstrats.strategies import periodic
+
+SCHEMES = {
+    "diloco": lightning_commstrats.DiLoCoStrategy,
+    "streaming_diloco": lightning_commstrats.StreamingDiLoCoStrategy,
+    "bmuf": lightning_commstrats.BMUFStrategy,
+    "model_averaging": lightning_commstrats.ModelAveragingStrategy,
+}
+
+
+class Regression(L.LightningModule):
+    """A two-layer MLP on a fixed random regression task (its matrices are large enough to be quantized)."""
+
+    def __init__(self, step_sleep: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+        self.step_sleep = step_sleep
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def task(n: int = 4096) -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)  # the same task for every replica
+    x = torch.randn(n, 32, generator=g)
+    w = torch.randn(32, 32, generator=g) / 32**0.5
+    return TensorDataset(x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 32, generator=g))
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def outer_tensors(strategy: periodic.PeriodicSyncStrategy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The global model and every tensor of the outer optimizer's state."""
+    state = strategy.outer.state_dict()
+    opt = [v for s in state["optimizer"]["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return list(state["weights"]), opt
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = Path(sys.argv[2])
+    rid = spec["replica_id"]
+    torch.manual_seed(spec.get("init_seed", 0))  # replicas may start from different initialisations
+    model = Regression(spec.get("step_sleep", 0.0))
+    config = {"lighthouse": spec["lighthouse"], "replica_id": rid, "min_replicas": spec.get("min_replicas", 1)}
+    config.update(spec.get("ft", {}))
+    kwargs = dict(spec.get("scheme_kwargs", {}))
+    strategy = SCHEMES[spec.get("scheme", "diloco")](fault_tolerance=config, **kwargs)
+
+    syncs: list[dict] = []
+    quorums: list[int] = []
+    kill = spec.get("kill")  # {"after_step": k} or {"sync": s, "collective": c}
+
+    original_quorum = ft.ReplicaSync.quorum
+
+    def quorum(self):  # noqa: ANN001
+        q = original_quorum(self)
+        quorums.append(q.comm.world_size)
+        if kill and "sync" in kill and self.step == kill["sync"]:
+            count = {"n": 0}
+            comm = q.comm
+            for name in ("_all_reduce", "_all_to_all", "_all_gather", "_broadcast"):
+                inner = getattr(comm, name)
+
+                def dying(*args, _inner=inner, **kw):
+                    count["n"] += 1
+                    if count["n"] == kill["collective"]:
+                        # inside the exchange: some peers may already be waiting on this replica
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return _inner(*args, **kw)
+
+                setattr(comm, name, dying)
+        return q
+
+    ft.ReplicaSync.quorum = quorum
+
+    original_after_sync = strategy.after_sync
+
+    def after_sync(fragment: int) -> None:
+        original_after_sync(fragment)
+        weights, opt = outer_tensors(strategy)
+        syncs.append(
+            {
+                "step": strategy._replica.step if strategy._replica is not None else None,
+                "fragment": fragment,
+                "optimizer_steps": strategy.optimizer_steps,
+                "global": digest(weights),
+                "outer_state": digest(opt),
+                "quorum": quorums[-1] if quorums else None,
+            }
+        )
+
+    strategy.after_sync = after_sync
+
+    class Killer(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if kill and "after_step" in kill and trainer.global_step >= kill["after_step"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    data = task()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=spec["max_steps"],
+        limit_val_batches=spec.get("limit_val_batches", 0),
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Killer()],
+        default_root_dir=str(out / rid),
+    )
+    trainer.fit(
+        model,
+        DataLoader(data, batch_size=16, shuffle=True),
+        DataLoader(data, batch_size=256) if spec.get("limit_val_batches") else None,
+    )
+    weights, opt = outer_tensors(strategy)
+    with torch.no_grad():
+        x, y = data.tensors
+        loss = float(nn.functional.mse_loss(model.net(x), y))
+    result = {
+        "replica_id": rid,
+        "global_step": trainer.global_step,
+        "optimizer_steps": strategy.optimizer_steps,
+        "syncs": syncs,
+        "quorums": quorums,
+        "global": digest(weights),
+        "outer_state": digest(opt),
+        "model": digest([p for p in model.parameters()]),
+        "weights": [w.clone() for w in weights],
+        "loss": loss,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "bytes": {tag: c.bytes_sent for tag, c in strategy.comm_stats.by_tag.items()},
+    }
+    torch.save(result, out / f"{rid}.pt")
+
+
+if __name__ == "__main__":
+    main()
