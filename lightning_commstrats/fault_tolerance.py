@@ -50,7 +50,7 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor
 
-from lightning_commstrats.comm.base import CollectiveError, Communicator
+from lightning_commstrats.comm.base import Communicator
 from lightning_commstrats.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
@@ -268,6 +268,7 @@ class ReplicaSync:
         self.pg = pg_class(timeout=timeout)
         hostname = config.hostname or socket.gethostname()
         self.manager = torchft.Manager(
+            checkpoint_transport=_advertised_http_transport(hostname, timeout),
             pg=self.pg,
             load_state_dict=self._receive,
             state_dict=self._state_dict,
@@ -288,7 +289,7 @@ class ReplicaSync:
             hostname=hostname,
         )
 
-    def _receive(self, state: dict[str, Any]) -> None:
+    def _receive(self, state: dict[str, Any]) -> None:  # torchft's load_state_dict callback: adopted later
         self._received = state
 
     @property
@@ -334,6 +335,19 @@ class ReplicaSync:
         self.manager.shutdown(wait=False)
 
 
+def _advertised_http_transport(hostname: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (a healing replica fetches the shared state from it),
+    advertised at ``hostname``: torchft's own uses this machine's host name, which on a host with
+    several network namespaces (or an /etc/hosts that maps it to loopback) other replicas cannot reach."""
+    from torchft.checkpointing import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{hostname}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
 def run_attempts(
     attempts: int, attempt: Callable[[int], bool], what: str, on_failure: Callable[[], None] | None = None
 ) -> None:
@@ -348,11 +362,6 @@ def run_attempts(
         f"{what} failed {attempts} times in a row (fault_tolerance.max_sync_attempts={attempts}); see the"
         " torchft log lines above for why each attempt did not commit"
     )
-
-
-def exchange_failed(err: BaseException) -> bool:
-    """Whether ``err`` is a failed cross-replica collective (a peer died or timed out): the sync is retried."""
-    return isinstance(err, (CollectiveError, RuntimeError, TimeoutError, ConnectionError))
 
 
 def lighthouse_main(argv: list[str] | None = None) -> None:

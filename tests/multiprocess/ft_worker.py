@@ -95,6 +95,8 @@ def main() -> None:
 
     syncs: list[dict] = []
     quorums: list[int] = []
+    heals: list[dict] = []
+    exchanges: list[dict] = []  # per committed sync: what this replica sent and the average it applied
     kill = spec.get("kill")  # {"after_step": k} or {"sync": s, "collective": c}
 
     original_quorum = ft.ReplicaSync.quorum
@@ -102,6 +104,8 @@ def main() -> None:
     def quorum(self):  # noqa: ANN001
         q = original_quorum(self)
         quorums.append(q.comm.world_size)
+        if q.healed is not None:
+            heals.append({"step": q.step, "optimizer_steps": strategy.optimizer_steps})
         if kill and "sync" in kill and self.step == kill["sync"]:
             count = {"n": 0}
             comm = q.comm
@@ -138,6 +142,25 @@ def main() -> None:
 
     strategy.after_sync = after_sync
 
+    original_average = strategy._replica_average
+
+    def replica_average(pending, first=None):  # noqa: ANN001
+        sent = pending.grad.clone()
+        attempts_before = len(quorums)
+        nonfinite = original_average(pending, first)
+        exchanges.append(
+            {
+                "fragment": pending.fragment,
+                "sent": sent if pending.contributes else torch.zeros_like(sent),
+                "average": pending.grad.clone(),
+                "quorums": quorums[attempts_before:] or quorums[-1:],
+                "step": strategy._replica.step if strategy._replica is not None else None,
+            }
+        )
+        return nonfinite
+
+    strategy._replica_average = replica_average
+
     class Killer(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if kill and "after_step" in kill and trainer.global_step >= kill["after_step"]:
@@ -172,6 +195,8 @@ def main() -> None:
         "optimizer_steps": strategy.optimizer_steps,
         "syncs": syncs,
         "quorums": quorums,
+        "heals": heals,
+        "exchanges": exchanges if spec.get("keep_exchanges") else [],
         "global": digest(weights),
         "outer_state": digest(opt),
         "model": digest([p for p in model.parameters()]),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from ft_harness import FTRun
 
@@ -43,7 +44,7 @@ def spec(seed: int, **kwargs) -> dict:
 
 
 def test_killed_replica_is_left_out_then_heals_and_rejoins():
-    with FTRun(min_replicas=2) as run:
+    with FTRun(min_replicas=2, join_timeout_ms=5000) as run:
         for i, rid in enumerate("abc"):
             run.start(rid, spec(i, kill={"after_step": 12} if rid == "c" else None))
         assert run.wait_dead("c") != 0
@@ -63,3 +64,45 @@ def test_killed_replica_is_left_out_then_heals_and_rejoins():
     assert {s["step"] for s in c["syncs"]} <= {s["step"] for s in a["syncs"]}
     # the learning-rate schedule continued on c (StepLR every 5 steps) as on the others
     assert c["lr"] == a["lr"]
+
+
+@pytest.mark.parametrize(
+    ("scheme_kwargs", "collective"),
+    [
+        # fp32: one all-reduce of the pseudo-gradient, then the count of replicas that took part: c dies
+        # after the average is complete everywhere, so every survivor holds a 3-replica average it must not apply
+        ({"sync_period": 8}, 2),
+        # 4 bits: fp32 biases, then the all-to-all of packed stripes, then the all-gather: c dies after
+        # sending its stripes, before the all-gather
+        ({"sync_period": 8, "pseudo_grad_bits": 4}, 3),
+        # a streaming fragment in flight in the background thread (2 fragments, applied 1 step later)
+        ({"sync_period": 8, "pseudo_grad_bits": 4, "num_fragments": 2, "fragment_sync_delay": 1}, 3),
+    ],
+    ids=["fp32", "4bit", "streaming"],
+)
+def test_replica_killed_inside_an_exchange_never_leaves_a_partial_average(scheme_kwargs, collective):
+    scheme = "streaming_diloco" if "num_fragments" in scheme_kwargs else "diloco"
+    with FTRun(min_replicas=2, join_timeout_ms=5000) as run:
+        for i, rid in enumerate("abc"):
+            kill = {"sync": 3, "collective": collective} if rid == "c" else None
+            run.start(
+                rid, spec(i, scheme=scheme, scheme_kwargs=scheme_kwargs, max_steps=40, kill=kill, keep_exchanges=True)
+            )
+        assert run.wait_dead("c") != 0
+        del run.replicas["c"]
+        results = run.wait()
+    assert_agreement(results)
+    a, b = results["a"], results["b"]
+    # the sync c died in: its first attempt had all three, the survivors retried it over two and committed that
+    died_in = [e for e in a["exchanges"] if e["quorums"][0] == 3 and e["quorums"][-1] == 2]
+    assert len(died_in) == 1, [e["quorums"] for e in a["exchanges"]]
+    step = died_in[0]["step"]
+    mine = {r["replica_id"]: next(e for e in r["exchanges"] if e["step"] == step) for r in (a, b)}
+    two_way = (mine["a"]["sent"] + mine["b"]["sent"]) / 2
+    if scheme_kwargs.get("pseudo_grad_bits", 32) == 32:
+        assert torch.equal(mine["a"]["average"], two_way)  # exactly the survivors' mean, nothing of c's
+    else:  # quantized (with the residuals of earlier syncs added): near the survivors' mean
+        err = (mine["a"]["average"] - two_way).norm() / two_way.norm()
+        assert err < 0.5, float(err)
+    assert torch.equal(mine["a"]["average"], mine["b"]["average"])
+    assert a["global_step"] == b["global_step"] == 40
