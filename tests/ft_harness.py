@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from harness import _base_env
 
 WORKER = Path(__file__).parent / "multiprocess" / "ft_worker.py"
@@ -36,7 +35,7 @@ class FTRun:
         self.replicas: dict[str, subprocess.Popen] = {}
         self.starts: dict[str, int] = {}
         self._logs: list[Any] = []
-        log = open(self.out / "lighthouse.log", "w+")  # noqa: SIM115
+        log = open(self.out / "lighthouse.log", "w+")
         self._logs.append(log)
         self.lighthouse_proc = subprocess.Popen(
             [
@@ -75,7 +74,7 @@ class FTRun:
         """Start (or start again) replica ``replica_id`` with ``spec`` (see ft_worker.py)."""
         self.starts[replica_id] = self.starts.get(replica_id, 0) + 1
         full = {"lighthouse": self.lighthouse, "replica_id": replica_id, **spec}
-        log = open(self.out / f"{replica_id}.{self.starts[replica_id]}.log", "w+")  # noqa: SIM115
+        log = open(self.out / f"{replica_id}.{self.starts[replica_id]}.log", "w+")
         self._logs.append(log)
         self.replicas[replica_id] = subprocess.Popen(
             [sys.executable, str(WORKER), json.dumps(full), str(self.out)],

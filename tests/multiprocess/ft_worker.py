@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_commstrats  # noqa: F401  (registers the names)
+import lightning_commstrats
 from lightning_commstrats import fault_tolerance as ft
 from lightning_commstrats.strategies import periodic
 
@@ -101,7 +101,7 @@ def main() -> None:
 
     original_quorum = ft.ReplicaSync.quorum
 
-    def quorum(self):  # noqa: ANN001
+    def quorum(self):
         q = original_quorum(self)
         quorums.append(q.comm.world_size)
         if q.healed is not None:
@@ -144,7 +144,7 @@ def main() -> None:
 
     original_average = strategy._replica_average
 
-    def replica_average(pending, first=None):  # noqa: ANN001
+    def replica_average(pending, first=None):
         sent = pending.grad.clone()
         attempts_before = len(quorums)
         nonfinite = original_average(pending, first)

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-
 from ft_harness import FTRun
 
 pytestmark = [pytest.mark.multiprocess]
