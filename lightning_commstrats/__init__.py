@@ -16,6 +16,7 @@ from lightning_commstrats._registry import register_strategies
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
 from lightning_commstrats.fabric import FabricStrategy, register_fabric_strategies
+from lightning_commstrats.fault_tolerance import FaultTolerance
 from lightning_commstrats.precision import LayeredMixedPrecision
 from lightning_commstrats.strategies import (
     STRATEGIES,
@@ -47,6 +48,7 @@ __all__ = [
     "DiLoCoStrategy",
     "ExpertParallelStrategy",
     "FabricStrategy",
+    "FaultTolerance",
     "LayeredMixedPrecision",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",

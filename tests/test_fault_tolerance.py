@@ -1,0 +1,163 @@
+"""Fault-tolerance settings and bad input: refused when built, naming the setting; an unreachable
+Lighthouse and a quorum that can never reach ``min_replicas`` fail in bounded time, saying so.
+The real multi-replica runs are in tests/multiprocess/test_fault_tolerance_ranks.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import lightning as L
+import pytest
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_commstrats import (
+    AllReduceStrategy,
+    BMUFStrategy,
+    DiLoCoStrategy,
+    FaultTolerance,
+    FabricStrategy,
+    ModelAveragingStrategy,
+    OneBitSGDStrategy,
+    PeriodicSyncStrategy,
+    StreamingDiLoCoStrategy,
+)
+from lightning_commstrats.comm import MPI4PY_AVAILABLE
+from lightning_commstrats.fault_tolerance import LIGHTHOUSE_ENV, lighthouse_main
+
+LH = "http://127.0.0.1:29510"
+FT = {"lighthouse": LH, "replica_id": "r0"}
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"replica_id": "r0"}, "fault_tolerance.lighthouse is not set and TORCHFT_LIGHTHOUSE is empty"),
+        ({**FT, "lighthouse": "ftp://host:1"}, r"fault_tolerance.lighthouse='ftp://host:1' is not an address"),
+        ({**FT, "lighthouse": "http://host"}, r"fault_tolerance.lighthouse='http://host' is not an address"),
+        ({**FT, "replica_id": ""}, "fault_tolerance.replica_id must be a non-empty name"),
+        ({**FT, "replica_id": "a:b"}, "fault_tolerance.replica_id must be a non-empty name without ':'"),
+        ({**FT, "min_replicas": 0}, "fault_tolerance.min_replicas must be an int >= 1, got 0"),
+        ({**FT, "timeout": 0}, "fault_tolerance.timeout must be a number of seconds > 0"),
+        ({**FT, "timeout": 60, "quorum_timeout": 30}, "fault_tolerance.timeout=60 must be < quorum_timeout=30"),
+        ({**FT, "max_sync_attempts": 0}, "fault_tolerance.max_sync_attempts must be an int >= 1"),
+        ({**FT, "lighthose": LH}, r"fault_tolerance got unknown setting\(s\) \['lighthose'\]"),
+    ],
+)
+def test_bad_settings_name_the_setting(settings, match, monkeypatch):
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    with pytest.raises(ValueError, match=match):
+        DiLoCoStrategy(fault_tolerance=settings)
+
+
+def test_settings_from_the_environment_and_as_an_object(monkeypatch):
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "host:29510")
+    config = FaultTolerance(replica_id="r1", min_replicas=2)
+    assert config.lighthouse == "http://host:29510"
+    strategy = StreamingDiLoCoStrategy(fault_tolerance=config)
+    assert strategy.fault_tolerance is config
+    # the data order is the replica's own, and the same after a restart
+    assert (
+        FaultTolerance(replica_id="r1").data_seed() == config.data_seed() != FaultTolerance(replica_id="r2").data_seed()
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: AllReduceStrategy(fault_tolerance=FT), "AllReduceStrategy cannot honour fault_tolerance"),
+        (lambda: OneBitSGDStrategy(fault_tolerance=FT), "OneBitSGDStrategy cannot honour fault_tolerance"),
+        (lambda: BMUFStrategy(fault_tolerance=FT), "fault_tolerance needs sync_period_unit='steps', got 'samples'"),
+        (
+            lambda: PeriodicSyncStrategy(8, "steps", parallelization_start=4, fault_tolerance=FT),
+            r"fault_tolerance does not take a warm start \(parallelization_start=4\)",
+        ),
+        (
+            lambda: ModelAveragingStrategy(8, "steps", average_optimizer_state=True, fault_tolerance=FT),
+            "average_optimizer_state=True cannot be honoured with fault_tolerance",
+        ),
+        (lambda: FabricStrategy("allreduce", fault_tolerance=FT), "AllReduceStrategy cannot honour fault_tolerance"),
+    ],
+)
+def test_schemes_that_cannot_honour_it_say_so(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.skipif(not MPI4PY_AVAILABLE, reason="local_sgd needs the [mpi] extra")
+def test_local_sgd_refuses_fault_tolerance():
+    from lightning_commstrats import LocalSGDStrategy
+
+    with pytest.raises(ValueError, match="local_sgd cannot honour fault_tolerance"):
+        LocalSGDStrategy(fault_tolerance=FT)
+
+
+def test_every_periodic_scheme_takes_the_same_setting():
+    for make in (
+        lambda: DiLoCoStrategy(fault_tolerance=FT),
+        lambda: StreamingDiLoCoStrategy(fault_tolerance=FT),
+        lambda: BMUFStrategy(sync_period=8, sync_period_unit="steps", fault_tolerance=FT),
+        lambda: ModelAveragingStrategy(sync_period=8, sync_period_unit="steps", fault_tolerance=FT),
+        lambda: FabricStrategy("diloco", fault_tolerance=FT),
+    ):
+        strategy = make()
+        scheme = getattr(strategy, "scheme", strategy)
+        assert scheme.fault_tolerance == FaultTolerance(**FT)
+
+
+def fit(strategy) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+
+
+def test_an_unreachable_lighthouse_fails_within_the_connect_timeout():
+    port = closed_port()
+    start = time.monotonic()
+    settings = {"lighthouse": f"http://127.0.0.1:{port}", "replica_id": "r0", "connect_timeout": 2.0}
+    with pytest.raises(
+        ConnectionError, match=rf"fault_tolerance.lighthouse='http://127.0.0.1:{port}' cannot be reached"
+    ):
+        fit(DiLoCoStrategy(sync_period=2, fault_tolerance=settings))
+    assert time.monotonic() - start < 30
+
+
+def test_a_quorum_below_min_replicas_fails_after_the_quorum_timeout():
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        port = int(server.address().rsplit(":", 1)[1])
+        settings = {
+            "lighthouse": f"http://127.0.0.1:{port}",
+            "replica_id": "alone",
+            "min_replicas": 2,  # no second replica will ever come
+            "quorum_timeout": 4.0,
+            "timeout": 2.0,
+        }
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"fewer than fault_tolerance.min_replicas=2, for quorum_timeout=4.0 s"):
+            fit(DiLoCoStrategy(sync_period=2, fault_tolerance=settings))
+        assert time.monotonic() - start < 60
+    finally:
+        server.shutdown()
+
+
+def test_lighthouse_command_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        lighthouse_main(["--min-replicas", "0"])
+    assert "--min-replicas must be >= 1, got 0" in capsys.readouterr().err
