@@ -89,7 +89,7 @@ class Events:
     that is killed keeps every line it wrote)."""
 
     def __init__(self, path: Path, rid: str, incarnation: int) -> None:
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
+        self.file = open(path, "a", buffering=1)
         self.rid = rid
         self.incarnation = incarnation
 
@@ -211,6 +211,9 @@ def replica_package(spec: dict[str, Any], log: Events) -> None:
             quorum=state["quorum"],
             local_steps=state["local_steps"],
             comm_bytes={tag: c.bytes_sent for tag, c in strategy.comm_stats.by_tag.items()},
+            global_digest=digest_state(
+                {str(f): strategy.outer.global_weights(f) for f in range(strategy.num_fragments)}
+            ),
         )
 
     strategy.after_sync = after_sync
@@ -294,6 +297,12 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
     def state_dict() -> dict[str, Any]:
         return {"model": net.state_dict(), "inner_optimizer": inner.state_dict()}
 
+    data = dm.dataset("train")
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=data_seed(rid))
+    loader = DataLoader(data, batch_size=spec["data"]["batch_size"], sampler=sampler, drop_last=True)
+    local_steps, epoch, first = 0, 0, True
+    # the Manager (and its heartbeats) starts after the go, as the package's does in Trainer.fit
+    wait_for_go(spec, log)
     timeout = timedelta(seconds=spec["timeout"])
     store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     manager = Manager(
@@ -314,11 +323,6 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
         replica_id=rid,
         hostname=spec["address"],
     )
-    data = dm.dataset("train")
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=data_seed(rid))
-    loader = DataLoader(data, batch_size=spec["data"]["batch_size"], sampler=sampler, drop_last=True)
-    local_steps, epoch, first = 0, 0, True
-    wait_for_go(spec, log)
     with DiLoCo(manager, [net], inner, outer, sync_every=h, backup_device=torch.device("cpu"), pin_memory=False):
         while manager.current_step() < spec["rounds"]:
             sampler.set_epoch(epoch)
@@ -343,8 +347,8 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
                     time.sleep(spec["step_sleep"])
                 if local_steps % h == 0:
                     committed = manager.current_step() > before
-                    if healed["now"]:
-                        log("heal", step=before)
+                    if healed["now"]:  # the step it healed to (the run's, before this round's commit)
+                        log("heal", step=manager.current_step() - int(committed))
                     if committed:
                         log(
                             "commit",
@@ -355,6 +359,8 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
                             contributes=not healed["now"],
                             quorum=manager.num_participants(),
                             local_steps=local_steps,
+                            # after a committed outer step the parameters are the global model
+                            global_digest=digest_state(dict(net.named_parameters())),
                         )
                     else:
                         log("sync_failed", round=before, local_steps=local_steps)
@@ -372,7 +378,9 @@ def replica_main(spec_json: str) -> None:
     import logging
 
     spec = json.loads(spec_json)
-    log = Events(Path(spec["run_dir"]) / f"events.{spec['rid']}.{spec['incarnation']}.jsonl", spec["rid"], spec["incarnation"])
+    log = Events(
+        Path(spec["run_dir"]) / f"events.{spec['rid']}.{spec['incarnation']}.jsonl", spec["rid"], spec["incarnation"]
+    )
     log("boot", pid=os.getpid(), hostname=socket.gethostname())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("torchft").setLevel(logging.INFO)
@@ -505,7 +513,7 @@ class Controller:
             ]
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), "_lighthouse", "--bind", f"[::]:{port}", *common]
-        log = open(plan.run_dir / "lighthouse.log", "w")  # noqa: SIM115
+        log = open(plan.run_dir / "lighthouse.log", "w")
         proc = self._popen(n, cmd, log)
         deadline = time.monotonic() + 60
         while "listening at" not in (plan.run_dir / "lighthouse.log").read_text():
@@ -527,10 +535,12 @@ class Controller:
         }
 
     def _start_replica(self, plan: RunPlan, replica: Replica, lighthouse: str) -> None:
+        if replica.log is not None:  # the previous incarnation's log
+            replica.log.close()
         replica.incarnation += 1
         replica.killed = False
         spec = self._spec(plan, replica, lighthouse)
-        replica.log = open(plan.run_dir / f"{replica.rid}.{replica.incarnation}.log", "w")  # noqa: SIM115
+        replica.log = open(plan.run_dir / f"{replica.rid}.{replica.incarnation}.log", "w")
         cmd = [sys.executable, str(Path(__file__).resolve()), "_replica", json.dumps(spec)]
         uts = replica.address if plan.contender == "torchft" else None
         replica.proc = self._popen(replica.host, cmd, replica.log, uts_hostname=uts)
@@ -556,7 +566,7 @@ class Controller:
         rng = random.Random(1000 + plan.seed)  # the same kill points for both contenders
         t_start = time.time()
         deadline = time.monotonic() + a.run_timeout
-        failure = None
+        failure, t_go = None, None
         try:
             for r in replicas:
                 self._start_replica(plan, r, lighthouse)
@@ -564,12 +574,17 @@ class Controller:
             while len(list(plan.run_dir.glob("ready.*"))) < a.replicas:
                 bad = [r.rid for r in replicas if r.proc.poll() is not None]
                 if bad or time.monotonic() > deadline:
-                    raise RuntimeError(f"replicas {bad or 'all'} did not boot:\n{tails(plan.run_dir)}")
+                    failure = f"replicas {bad or 'all'} did not boot"
+                    print(f"   {failure}:\n{tails(plan.run_dir)}", flush=True)
+                    break
                 time.sleep(0.1)
-            t_go = time.time()
-            (plan.run_dir / "go").touch()
-            print(f"   go after {t_go - t_start:.1f} s of boot", flush=True)
-            failure = self._watch(plan, replicas, lighthouse, rng, deadline)
+            else:
+                t_go = time.time()
+                (plan.run_dir / "go").touch()
+                print(f"   go after {t_go - t_start:.1f} s of boot", flush=True)
+                failure = self._watch(plan, replicas, lighthouse, rng, deadline)
+                if failure:
+                    print(f"   FAILURE: {failure}\n{tails(plan.run_dir)}", flush=True)
         finally:
             for r in replicas:
                 self._kill(r.proc)
@@ -624,7 +639,10 @@ class Controller:
                 else:
                     record.update(t=time.time(), killed=False, why="the victim was not running")
             for when, r in list(restart_at):
-                if now >= when:
+                if now >= when and reader.ended():
+                    restart_at.remove((when, r))
+                    plan.notes.append(f"{r.rid} was not restarted: the run had ended")
+                elif now >= when:
                     restart_at.remove((when, r))
                     self._start_replica(plan, r, lighthouse)
                     for k in reversed(plan.kills):
@@ -706,7 +724,7 @@ def tails(run_dir: Path, lines: int = 30) -> str:
 
 
 def summarize(
-    plan: RunPlan, settings: dict[str, Any], t_go: float, tx0: list[int] | None, tx1: list[int] | None
+    plan: RunPlan, settings: dict[str, Any], t_go: float | None, tx0: list[int] | None, tx1: list[int] | None
 ) -> dict[str, Any]:
     """One run's figures from its replicas' event logs (see the README for each definition)."""
     rep = settings["replica"]
@@ -720,9 +738,11 @@ def summarize(
     for (_, rnd), e in commits.items():
         by_round.setdefault(rnd, []).append(e)
     contributors = {rnd: sum(1 for e in es if e["contributes"]) for rnd, es in by_round.items()}
+    # rounds after which the replicas that committed them hold different global models
+    split_rounds = sorted(rnd for rnd, es in by_round.items() if len({e.get("global_digest") for e in es}) > 1)
     committed_rounds = max(by_round, default=0)
     final_round_t = max((e["t"] for e in by_round.get(committed_rounds, [])), default=None)
-    wall = final_round_t - t_go if final_round_t else None
+    wall = final_round_t - t_go if final_round_t and t_go else None
     contributor_rounds = sum(contributors.values())
     useful = contributor_rounds * h * batch
     ends = [e for e in events if e["event"] == "end"]
@@ -740,6 +760,13 @@ def summarize(
         for tag, b in bytes_by_tag.items():
             comm[tag] = comm.get(tag, 0.0) + b
     tx = [b - a for a, b in zip(tx0, tx1, strict=True)] if tx0 and tx1 else None
+    # what the package logged as a warning (e.g. replicas found holding different global models)
+    warnings = [
+        line.strip()
+        for path in sorted(plan.run_dir.glob("r*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if "lightning_commstrats" in line and "WARNING" in line
+    ]
     return {
         "contender": plan.contender,
         "label": LABELS[plan.contender],
@@ -767,11 +794,20 @@ def summarize(
         "replicas_finished": len(ends),
         "final_digests": digests,
         "replicas_agree": len(digests) == 1,
+        "rounds_with_different_global_models": split_rounds,
         "tx_bytes_per_replica": tx,
         "tx_mb_per_replica_mean": statistics.fmean(tx) / 1e6 if tx else None,
         "comm_stats_bytes_by_tag_all_replicas": comm or None,
         "comm_stats_mb_per_replica": sum(comm.values()) / n / 1e6 if comm else None,
-        "data_order": sorted({(e["rid"], e.get("sampler"), e.get("sampler_seed"), e.get("first_batch")) for e in starts if e["incarnation"] == 1}),
+        "data_order": sorted(
+            {
+                (e["rid"], e.get("sampler"), e.get("sampler_seed"), e.get("first_batch"))
+                for e in starts
+                if e["incarnation"] == 1
+            }
+        ),
+        "package_warnings": len(warnings),
+        "package_warning_examples": warnings[:5],
         "notes": plan.notes,
     }
 
@@ -782,11 +818,11 @@ def evaluate(args: argparse.Namespace, settings: dict[str, Any], run_dir: Path) 
     if not finals:
         return None
     import torch
+    from torch.nn import functional as F
 
     from lightning_commstrats.data import LMDataModule
     from lightning_commstrats.data.corpus import IGNORE_INDEX
     from lightning_commstrats.models import LanguageModel
-    from torch.nn import functional as F
 
     rep = settings["replica"]
     dm = LMDataModule(**rep["data"])
@@ -800,7 +836,9 @@ def evaluate(args: argparse.Namespace, settings: dict[str, Any], run_dir: Path) 
             if args.val_batches and i >= args.val_batches:
                 break
             logits = model(x).float()
-            nll += float(F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"))
+            nll += float(
+                F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            )
             count += int((y != IGNORE_INDEX).sum())
     return math.exp(nll / count) if count else None
 
@@ -835,7 +873,7 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any], where: str) -> s
         "| contender | faults | seed | committed rounds | kills / restarts / heals | failed sync attempts"
         " | contributing replica-rounds | useful samples | training wall s | goodput samples/s"
         " | goodput vs fault-free | val ppl | MB sent per replica (interface) | MB per replica (comm_stats)"
-        " | quorum min / mean | replicas agree | problems |",
+        " | quorum min / mean | replicas agree (end; every round) | problems |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     free = {(r["contender"], r["seed"]): r for r in rows if not r["faults"]}
@@ -846,7 +884,13 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any], where: str) -> s
             if r["faults"] and base and base["goodput_samples_per_s"] and r["goodput_samples_per_s"]
             else None
         )
-        problems = "; ".join(filter(None, [r.get("failure"), *r.get("notes", [])])) or "-"
+        warned = (
+            f"{r['package_warnings']} package warnings, first:"
+            f" {r['package_warning_examples'][0].split(' WARNING ')[-1]}"
+            if r.get("package_warnings")
+            else None
+        )
+        problems = "; ".join(filter(None, [r.get("failure"), warned, *r.get("notes", [])])) or "-"
         cells = [
             r["label"],
             "yes" if r["faults"] else "no",
@@ -863,7 +907,12 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any], where: str) -> s
             _fmt(r["tx_mb_per_replica_mean"], "{:.2f}"),
             _fmt(r["comm_stats_mb_per_replica"], "{:.2f}"),
             f"{r['min_quorum']} / {_fmt(r['mean_quorum'], '{:.2f}')}",
-            "yes" if r["replicas_agree"] else f"NO ({len(r['final_digests'])} models)",
+            ("yes" if r["replicas_agree"] else f"NO ({len(r['final_digests'])} models)")
+            + (
+                f"; {len(r['rounds_with_different_global_models'])} rounds with different global models"
+                if r.get("rounds_with_different_global_models")
+                else ""
+            ),
             problems,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -872,7 +921,13 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any], where: str) -> s
         ratios = []
         for r in rows:
             base = free.get((contender, r["seed"]))
-            if r["contender"] == contender and r["faults"] and base and base["goodput_samples_per_s"] and r["goodput_samples_per_s"]:
+            if (
+                r["contender"] == contender
+                and r["faults"]
+                and base
+                and base["goodput_samples_per_s"]
+                and r["goodput_samples_per_s"]
+            ):
                 ratios.append(r["goodput_samples_per_s"] / base["goodput_samples_per_s"])
         if ratios:
             mean = statistics.fmean(ratios)
@@ -884,13 +939,23 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any], where: str) -> s
     lines += ["", "## Package against torchft's DiLoCo (same faults, mean over seeds)", ""]
     for faults in (False, True):
         g = {
-            c: [r["goodput_samples_per_s"] for r in rows if r["contender"] == c and r["faults"] == faults and r["goodput_samples_per_s"]]
+            c: [
+                r["goodput_samples_per_s"]
+                for r in rows
+                if r["contender"] == c and r["faults"] == faults and r["goodput_samples_per_s"]
+            ]
             for c in CONTENDERS
         }
-        p = {c: [r["val_ppl"] for r in rows if r["contender"] == c and r["faults"] == faults and r.get("val_ppl")] for c in CONTENDERS}
+        p = {
+            c: [r["val_ppl"] for r in rows if r["contender"] == c and r["faults"] == faults and r.get("val_ppl")]
+            for c in CONTENDERS
+        }
         if all(g.values()):
             ours, theirs = statistics.fmean(g["package"]), statistics.fmean(g["torchft"])
-            line = f"- {'with' if faults else 'without'} faults: goodput {ours:.1f} vs {theirs:.1f} samples/s ({ours / theirs:.2f}x)"
+            line = (
+                f"- {'with' if faults else 'without'} faults: goodput {ours:.1f} vs {theirs:.1f} samples/s"
+                f" ({ours / theirs:.2f}x)"
+            )
             if all(p.values()):
                 line += f"; val ppl {statistics.fmean(p['package']):.1f} vs {statistics.fmean(p['torchft']):.1f}"
             lines.append(line)
@@ -976,7 +1041,10 @@ def run_rate(args: argparse.Namespace, rate: float, out: Path, logs: Path) -> st
                 for faults in (False, True):
                     name = f"{contender}-{'faults' if faults else 'nofaults'}-seed{seed}"
                     plan = RunPlan(contender, faults, seed, logs / name)
-                    print(f"== {where}: {LABELS[contender]}, {'with' if faults else 'without'} faults, seed {seed}", flush=True)
+                    print(
+                        f"== {where}: {LABELS[contender]}, {'with' if faults else 'without'} faults, seed {seed}",
+                        flush=True,
+                    )
                     started = time.time()
                     row = controller.run(plan)
                     row["job_seconds"] = time.time() - started
@@ -995,7 +1063,13 @@ def run_rate(args: argparse.Namespace, rate: float, out: Path, logs: Path) -> st
     (out / "results.md").write_text(text + "\n")
     (out / "results.json").write_text(
         json.dumps(
-            {"where": where, "rate_mbit": None if loopback else rate, "settings": settings, "args": vars(args), "rows": rows},
+            {
+                "where": where,
+                "rate_mbit": None if loopback else rate,
+                "settings": settings,
+                "args": vars(args),
+                "rows": rows,
+            },
             indent=1,
             default=str,
         )
@@ -1018,7 +1092,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--min-replicas", type=int, help="fewest replicas a sync may average over (default replicas - 2, at least 1)")
+    parser.add_argument("--min-replicas", type=int, default=2, help="fewest replicas a sync may average over")
     parser.add_argument("--sync-period", type=int, default=SYNC_PERIOD, help="H, inner steps per outer round")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="committed outer rounds per run")
     parser.add_argument("--kill-every", type=int, default=KILL_EVERY, help="outer rounds between kills")
@@ -1051,8 +1125,6 @@ def main() -> None:
         out_root = Path(args.out) / "quick"
     else:
         out_root = Path(args.out)
-    if args.min_replicas is None:
-        args.min_replicas = max(1, args.replicas - 2)
     if args.min_rounds_after_kill is None:
         args.min_rounds_after_kill = max(2, args.kill_every // 2)
     if args.end_grace is None:

@@ -126,6 +126,18 @@ class FabricStrategy(RankDevices, ParallelStrategy):
         """Cumulative communication statistics of this rank, as ``trainer.strategy.comm_stats``."""
         return self.scheme.comm_stats
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the run so far. Loop on it (``while fabric.strategy.optimizer_steps <
+        max_steps``): a fault-tolerant replica that heals from a peer takes over the run's count."""
+        return self.scheme.optimizer_steps
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # the scheme's (a fault-tolerant replica adds its own data order's seed)
+        return self.scheme.distributed_sampler_kwargs
+
     # ------------------------------------------------------------------ processes and devices
 
     def _connect_scheme(self) -> None:

@@ -297,6 +297,11 @@ class ReplicaSync:
         """This replica's committed step (syncs that committed, plus the run's first agreement)."""
         return self.manager.current_step()
 
+    @property
+    def batches_committed(self) -> int:
+        """Replicas times syncs that committed over the run's history this replica holds."""
+        return int(self.manager.batches_committed())
+
     def quorum(self) -> Quorum:
         """Join the next quorum; waits for ``min_replicas`` replicas at most ``quorum_timeout`` seconds."""
         config = self.config

@@ -29,7 +29,7 @@ WORKER = Path(__file__).parent / "multiprocess" / "ft_worker.py"
 class FTRun:
     """A Lighthouse (``commstrats-lighthouse``, torchft's) and the replicas of one run."""
 
-    def __init__(self, min_replicas: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 3000) -> None:
+    def __init__(self, min_replicas: int = 1, join_timeout_ms: int = 5000, heartbeat_timeout_ms: int = 5000) -> None:
         self.out = Path(tempfile.mkdtemp(prefix="commstrats-ft-"))
         self.env = _base_env()
         self.replicas: dict[str, subprocess.Popen] = {}

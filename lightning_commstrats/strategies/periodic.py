@@ -51,6 +51,7 @@ UNITS = ("samples", "steps")
 PSEUDO_GRAD_BITS = (2, 4, 8, 16, 32)
 # First-moment buffers of the common optimizers: SGD's momentum and Adam's exp_avg.
 MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
+FINGERPRINT_CHUNK = 1 << 22  # values per pass of the global model's fingerprint (48 MiB of scratch)
 
 
 @dataclass
@@ -589,25 +590,33 @@ class PeriodicSyncStrategy(CommStrategy):
         """Average ``pending``'s pseudo-gradient over the replicas of a quorum (main thread, or the
         background one with a delay), retried over a new quorum until it commits. Every rank of the
         replica calls it; rank 0 exchanges and the others receive its result. Returns the names
-        whose average is not finite."""
+        whose average is not finite.
+
+        A replica whose state is not the run's (torchft healed it: it was behind; or the quorum
+        found it holding another global model at the same step) takes the run's state, adopted
+        when the sync is applied, and sends zeros that are not counted in the mean."""
         assert self.fault_tolerance is not None and self._relay is not None
         grad = pending.grad
         backup = grad.clone()  # the block's pseudo-gradient, for a retry after a failed exchange
         nonfinite: list[str] = []
+        received: dict[str, Any] | None = None  # the run's state, once this replica learned it is behind
 
         def attempt(_: int) -> bool:
-            nonlocal first, nonfinite
-            committed, healed = False, None
+            nonlocal first, nonfinite, received
+            committed = False
             if self._replica is not None:
                 quorum, first = first or self._replica.quorum(), None
-                if quorum.healed is not None:  # behind the run (a failed sync): heal, send zeros
-                    healed, pending.contributes = quorum.healed, False
-                    grad.zero_()
-                    backup.zero_()
-                exchange = self._bind_exchange(quorum.comm)
-                if healed is not None:
-                    exchange.reset()
                 try:
+                    if quorum.healed is not None:
+                        received = quorum.healed
+                    received = self._reconcile(quorum, received) or received
+                    if received is not None:
+                        pending.contributes = False
+                        grad.zero_()
+                        backup.zero_()
+                    exchange = self._bind_exchange(quorum.comm)
+                    if received is not None:
+                        exchange.reset()
                     nonfinite = exchange.average(self._named_views(pending.fragment, grad), commit=False)
                     count = torch.tensor([1.0 if pending.contributes else 0.0], device=grad.device)
                     took_part = float(quorum.comm.all_reduce(count, tag="control").item())
@@ -619,20 +628,55 @@ class PeriodicSyncStrategy(CommStrategy):
                 committed = self._replica.commit(ok, err)
                 if committed:
                     exchange.commit()
-                else:
-                    exchange.discard()
-            committed, healed, nonfinite = self._relay.broadcast_object((committed, healed, nonfinite), 0)
+                elif self._exchange is not None:
+                    self._exchange.discard()
+            committed, nonfinite = self._relay.broadcast_object((committed, nonfinite), 0)
             if not committed:
                 grad.copy_(backup)
                 return False
             if self.world_size > 1:
                 self._relay.broadcast(grad, 0, tag="weights")
-            if healed is not None:
-                pending.healed = healed
+                received = self._relay.broadcast_object(received, 0, tag="weights")
+            pending.healed = received
             return True
 
         run_attempts(self.fault_tolerance.max_sync_attempts, attempt, f"the sync of fragment {pending.fragment}")
         return nonfinite
+
+    def _reconcile(self, quorum: Quorum, received: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Make sure the quorum's replicas hold one global model before they average into it.
+
+        torchft heals a replica that is behind by committed step; replicas at the same step can still
+        hold different models (two that each formed the run's first quorum alone, with
+        ``min_replicas`` below the number of replicas; or a sync that committed on some replicas and
+        failed on others, which then committed a retry among themselves). Every replica sends a
+        fingerprint of its global model (exact integer sums of its bits, the same on any hardware)
+        and its count of committed batches; when they differ, the state of the replica with the most
+        committed batches (then the lowest rank) is sent to the others. Returns that state when this
+        replica must take it, else ``None``."""
+        assert self._replica is not None and self.outer is not None
+        if received is not None:
+            weights = [w.to(self.root_device) for w in received["outer"]["weights"]]
+        else:
+            weights = [self.outer.global_weights(f) for f in range(self.num_fragments)]
+        row = torch.cat([torch.tensor([self._replica.batches_committed]), fingerprint(weights).cpu()])
+        rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
+        if all(r[1:] == rows[0][1:] for r in rows):
+            return None
+        canonical = max(range(len(rows)), key=lambda i: (rows[i][0], -i))
+        me = quorum.comm.rank
+        log.warning(
+            "replica %r: the quorum's replicas hold %d different global models at step %d; taking replica"
+            " rank %d's (committed batches and fingerprints by rank: %s)",
+            self.fault_tolerance.replica_id if self.fault_tolerance else "",
+            len({tuple(r[1:]) for r in rows}),
+            self._replica.step,
+            canonical,
+            rows,
+        )
+        mine = (received or self._shared) if me == canonical else None
+        state = quorum.comm.broadcast_object(mine, canonical, tag="weights")
+        return None if rows[me][1:] == rows[canonical][1:] else state
 
     def _bind_exchange(self, comm: Communicator) -> TensorExchange:
         """The exchange over this quorum's replicas (made at the first quorum, rebound at each one after)."""
@@ -817,6 +861,23 @@ def fragment_bounds(sizes: list[int], num_fragments: int) -> list[tuple[int, int
         begin = end
     bounds.append((begin, len(sizes)))
     return bounds
+
+
+def fingerprint(tensors: list[Tensor]) -> Tensor:
+    """Two int64 checksums of the bits of float32 ``tensors``: their sum, and their sum weighted by
+    position. Integer sums are exact and do not depend on the order of summation, so equal tensors
+    give equal checksums on any device; two different models colliding is not a practical concern."""
+    sums = torch.zeros(2, dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
+    position = 0
+    for t in tensors:
+        flat = t.detach().float().contiguous().view(torch.int32).flatten()
+        for chunk in flat.split(FINGERPRINT_CHUNK):  # bounded scratch memory, whatever the model's size
+            bits = chunk.to(torch.int64)
+            weight = torch.arange(position, position + bits.numel(), device=bits.device) % 65521 + 1
+            sums[0] += bits.sum()
+            sums[1] += (bits * weight).sum()
+            position += bits.numel()
+    return sums
 
 
 def set_trainer_steps(trainer: Any, steps: int) -> None:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_commstrats
 from lightning_commstrats import fault_tolerance as ft
+from lightning_commstrats.fabric import FabricStrategy
 from lightning_commstrats.strategies import periodic
 
 SCHEMES = {
@@ -80,6 +81,28 @@ def outer_tensors(strategy: periodic.PeriodicSyncStrategy) -> tuple[list[torch.T
     state = strategy.outer.state_dict()
     opt = [v for s in state["optimizer"]["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
     return list(state["weights"]), opt
+
+
+def run_fabric(spec: dict, strategy, model: Regression, data: TensorDataset, kill: dict | None) -> tuple[int, float]:
+    """The same training in a plain Fabric loop; a replica that heals takes over the run's step count."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FabricStrategy(strategy))
+    fabric.launch()
+    net, optimizer = fabric.setup(model.net, torch.optim.AdamW(model.net.parameters(), lr=3e-3))
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=16, shuffle=True))
+    fabric.strategy.begin()  # joins the run: the first quorum, or a heal from a live peer
+    while fabric.strategy.optimizer_steps < spec["max_steps"]:
+        for x, y in loader:
+            if model.step_sleep:
+                time.sleep(model.step_sleep)
+            fabric.backward(nn.functional.mse_loss(net(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            if kill and "after_step" in kill and fabric.strategy.optimizer_steps >= kill["after_step"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fabric.strategy.optimizer_steps >= spec["max_steps"]:
+                break
+    fabric.strategy.finish()
+    return fabric.strategy.optimizer_steps, optimizer.param_groups[0]["lr"]
 
 
 def main() -> None:
@@ -139,6 +162,10 @@ def main() -> None:
                 "quorum": quorums[-1] if quorums else None,
             }
         )
+        if strategy._replica is not None and strategy._replica.step == spec.get("perturb_at_step"):
+            # a replica whose global model left the run's without torchft knowing (same committed step)
+            with torch.no_grad():
+                strategy.outer.weights[0].add_(1e-3)
 
     strategy.after_sync = after_sync
 
@@ -161,51 +188,68 @@ def main() -> None:
 
     strategy._replica_average = replica_average
 
+    reconciled: list[int] = []
+    original_reconcile = strategy._reconcile
+
+    def reconcile(quorum, received):
+        state = original_reconcile(quorum, received)
+        if state is not None:
+            reconciled.append(strategy._replica.step)
+        return state
+
+    strategy._reconcile = reconcile
+
     class Killer(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if kill and "after_step" in kill and trainer.global_step >= kill["after_step"]:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     data = task()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=spec["max_steps"],
-        limit_val_batches=spec.get("limit_val_batches", 0),
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Killer()],
-        default_root_dir=str(out / rid),
-    )
-    trainer.fit(
-        model,
-        DataLoader(data, batch_size=16, shuffle=True),
-        DataLoader(data, batch_size=256) if spec.get("limit_val_batches") else None,
-    )
+    if spec.get("front") == "fabric":
+        global_step, lr = run_fabric(spec, strategy, model, data, kill)
+    else:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=spec.get("devices", 1),
+            strategy=strategy,
+            max_steps=spec["max_steps"],
+            limit_val_batches=spec.get("limit_val_batches", 0),
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[Killer()],
+            default_root_dir=str(out / rid),
+        )
+        trainer.fit(
+            model,
+            DataLoader(data, batch_size=16, shuffle=True),
+            DataLoader(data, batch_size=256) if spec.get("limit_val_batches") else None,
+        )
+        global_step, lr = trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]
     weights, opt = outer_tensors(strategy)
     with torch.no_grad():
         x, y = data.tensors
         loss = float(nn.functional.mse_loss(model.net(x), y))
     result = {
         "replica_id": rid,
-        "global_step": trainer.global_step,
+        "global_step": global_step,
         "optimizer_steps": strategy.optimizer_steps,
         "syncs": syncs,
         "quorums": quorums,
         "heals": heals,
+        "reconciled": reconciled,
         "exchanges": exchanges if spec.get("keep_exchanges") else [],
         "global": digest(weights),
         "outer_state": digest(opt),
         "model": digest([p for p in model.parameters()]),
         "weights": [w.clone() for w in weights],
         "loss": loss,
-        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "lr": lr,
         "bytes": {tag: c.bytes_sent for tag, c in strategy.comm_stats.by_tag.items()},
     }
-    torch.save(result, out / f"{rid}.pt")
+    rank = strategy.global_rank
+    torch.save(result, out / (f"{rid}.pt" if rank == 0 else f"{rid}.rank{rank}.pt"))
 
 
 if __name__ == "__main__":
