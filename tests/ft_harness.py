@@ -9,10 +9,8 @@ and removes the run's folder.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import _base_env
+from harness import _base_env, _kill
 
 WORKER = Path(__file__).parent / "multiprocess" / "ft_worker.py"
 
@@ -32,6 +30,7 @@ class FTRun:
     def __init__(self, min_replicas: int = 1, join_timeout_ms: int = 5000, heartbeat_timeout_ms: int = 5000) -> None:
         self.out = Path(tempfile.mkdtemp(prefix="commstrats-ft-"))
         self.env = _base_env()
+        self.env.pop("TORCHFT_LIGHTHOUSE", None)
         self.replicas: dict[str, subprocess.Popen] = {}
         self.starts: dict[str, int] = {}
         self._logs: list[Any] = []
@@ -64,20 +63,22 @@ class FTRun:
             if found:
                 # the host name torchft prints may not resolve in a sandbox: the loopback address does
                 self.lighthouse = "http://127.0.0.1:" + found.group(1).rsplit(":", 1)[1]
+                self.env["TORCHFT_LIGHTHOUSE"] = self.lighthouse
             elif self.lighthouse_proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"the Lighthouse did not start:\n{text}")
             else:
                 time.sleep(0.1)
 
-    def start(self, replica_id: str, spec: dict[str, Any]) -> None:
-        """Start (or start again) replica ``replica_id`` with ``spec`` (see ft_worker.py)."""
+    def start(self, replica_id: str, spec: dict[str, Any], command: list[str] | None = None) -> None:
+        """Start (or start again) replica ``replica_id`` with ``spec`` (see ft_worker.py), or run
+        ``command`` as the replica (with ``TORCHFT_LIGHTHOUSE`` set to this run's Lighthouse)."""
         self.starts[replica_id] = self.starts.get(replica_id, 0) + 1
         full = {"lighthouse": self.lighthouse, "replica_id": replica_id, **spec}
         log = open(self.out / f"{replica_id}.{self.starts[replica_id]}.log", "w+")
         self._logs.append(log)
         self.replicas[replica_id] = subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(full), str(self.out)],
+            command or [sys.executable, str(WORKER), json.dumps(full), str(self.out)],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -92,8 +93,9 @@ class FTRun:
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"replica {replica_id} still running after {timeout:.0f}s:\n{self.tails()}") from None
 
-    def wait(self, timeout: float = 300.0) -> dict[str, dict[str, Any]]:
-        """Wait for every replica; raise with their logs if one failed; return the results by replica."""
+    def wait(self, timeout: float = 300.0, results: bool = True) -> dict[str, dict[str, Any]]:
+        """Wait for every replica; raise with their logs if one failed; return the results by replica
+        (``results=False``: replicas that save none)."""
         deadline = time.monotonic() + timeout
         for rid, proc in self.replicas.items():
             try:
@@ -102,6 +104,8 @@ class FTRun:
                 raise RuntimeError(f"replica {rid} still running after {timeout:.0f}s:\n{self.tails()}") from None
             if proc.returncode != 0:
                 raise RuntimeError(f"replica {rid} failed ({proc.returncode}):\n{self.tails()}")
+        if not results:
+            return {}
         return {rid: torch.load(self.out / f"{rid}.pt", weights_only=False) for rid in self.replicas}
 
     def tails(self, lines: int = 25) -> str:
@@ -115,12 +119,7 @@ class FTRun:
 
     def close(self) -> None:
         for proc in [*self.replicas.values(), self.lighthouse_proc]:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+            _kill(proc)
         for log in self._logs:
             log.close()
         shutil.rmtree(self.out, ignore_errors=True)

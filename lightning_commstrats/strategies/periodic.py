@@ -43,7 +43,7 @@ from lightning_commstrats.compression.exchange import SCALES, TensorExchange, ch
 from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, resolve_outer_optimizer
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
-from lightning_commstrats.strategies.base import CommStrategy
+from lightning_commstrats.strategies.base import CommStrategy, _to_cpu
 
 log = logging.getLogger(__name__)
 
@@ -555,7 +555,8 @@ class PeriodicSyncStrategy(CommStrategy):
                 else:  # the run's first quorum: replica 0's state is everyone's
                     kind = "init"
                     try:
-                        mine = self._shared_state(None) if first.comm.rank == 0 else None
+                        # on the host: a pickled CUDA tensor would unpickle on its sender's device index
+                        mine = _to_cpu(self._shared_state(None)) if first.comm.rank == 0 else None
                         state = first.comm.broadcast_object(mine, 0, tag="weights")
                         ok, err = True, None
                     except RuntimeError as e:
@@ -674,7 +675,7 @@ class PeriodicSyncStrategy(CommStrategy):
             canonical,
             rows,
         )
-        mine = (received or self._shared) if me == canonical else None
+        mine = _to_cpu(received or self._shared) if me == canonical else None
         state = quorum.comm.broadcast_object(mine, canonical, tag="weights")
         return None if rows[me][1:] == rows[canonical][1:] else state
 

@@ -11,13 +11,18 @@ at the end every replica that finished holds the same global model and stopped a
 from __future__ import annotations
 
 import random
+import re
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from ft_harness import FTRun
 
 pytestmark = [pytest.mark.multiprocess]
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 # seconds between a replica's death and its restart: longer than the Lighthouse's heartbeat and join
@@ -226,4 +231,31 @@ def test_chaos_four_replicas_five_kills_and_restarts():
     # every committed step of the run was committed by at least min_replicas replicas, and never
     # applied twice with different models (assert_agreement); quality close to the fault-free run
     loss, calm_loss = results["a"]["loss"], calm["results"]["a"]["loss"]
+    print(f"chaos: {chaos['deaths']} deaths, final loss {loss:.4f} against {calm_loss:.4f} without faults")
     assert loss < 1.25 * calm_loss, (loss, calm_loss)
+
+
+def test_the_recipe_runs_as_replicas_and_they_report_the_same_model():
+    args = [
+        sys.executable,
+        str(REPO / "recipes" / "train_lm.py"),
+        "fit",
+        "--config",
+        "lstm_tiny",
+        "--trainer.max_steps=12",
+        "--trainer.val_check_interval=12",
+        "--trainer.strategy=lightning_commstrats.DiLoCoStrategy",
+        "--trainer.strategy.init_args.sync_period=4",
+        "--trainer.strategy.init_args.pseudo_grad_bits=4",
+        "--trainer.strategy.init_args.fault_tolerance.min_replicas=2",
+    ]
+    with FTRun(min_replicas=2) as run:
+        for rid in ("r0", "r1"):  # the Lighthouse comes from TORCHFT_LIGHTHOUSE
+            run.start(rid, {}, command=[*args, f"--trainer.strategy.init_args.fault_tolerance.replica_id={rid}"])
+        run.wait(results=False)
+        reports = [
+            re.search(r"\[lm\] valid perplexity ([\d.]+)", (run.out / f"{rid}.1.log").read_text())
+            for rid in ("r0", "r1")
+        ]
+        assert all(reports), run.tails()
+    assert reports[0].group(1) == reports[1].group(1)  # the same global model on both replicas
