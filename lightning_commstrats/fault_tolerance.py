@@ -92,6 +92,12 @@ class FaultTolerance:
         connect_timeout: seconds to reach the Lighthouse and the other replicas' managers.
         max_sync_attempts: how many times one sync is tried (a new quorum each time) before the
             replica gives up with an error.
+        quorum_renew_interval: seconds after which a replica still waiting for a quorum renews its
+            request. The Lighthouse counts its join timeout from the oldest pending request; a
+            request pending since long before the others arrive (a replica that restarted, or
+            missed the last quorum) would make the next quorum form at a bare majority without
+            waiting for the slowest live replica, which then misses it too, round after round.
+            Keep it below the Lighthouse's ``--join-timeout-ms``.
         hostname: the name other replicas reach this one at (default: this machine's host name).
     """
 
@@ -102,6 +108,7 @@ class FaultTolerance:
     timeout: float = 60.0
     connect_timeout: float = 10.0
     max_sync_attempts: int = 10
+    quorum_renew_interval: float = 2.0
     hostname: str | None = None
 
     def __post_init__(self) -> None:
@@ -125,7 +132,7 @@ class FaultTolerance:
             )
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"fault_tolerance.min_replicas must be an int >= 1, got {self.min_replicas!r}")
-        for name in ("quorum_timeout", "timeout", "connect_timeout"):
+        for name in ("quorum_timeout", "timeout", "connect_timeout", "quorum_renew_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"fault_tolerance.{name} must be a number of seconds > 0, got {value!r}")
@@ -308,13 +315,20 @@ class ReplicaSync:
         deadline = time.monotonic() + config.quorum_timeout
         while True:
             self._received = None
+            left = deadline - time.monotonic()
             try:
-                self.manager.start_quorum(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+                self.manager.start_quorum(timeout=timedelta(seconds=max(min(config.quorum_renew_interval, left), 0.1)))
             except Exception as err:
-                raise TimeoutError(
-                    f"no quorum of fault_tolerance.min_replicas={config.min_replicas} replica(s) formed at"
-                    f" {config.lighthouse} within quorum_timeout={config.quorum_timeout} s ({err})"
-                ) from err
+                # No quorum yet (or the Lighthouse is away): renew the request, so that the Lighthouse's
+                # join timeout counts from now (see quorum_renew_interval). torchft keeps the failed
+                # request's future and re-raises its error at the next start: drop it.
+                self.manager._quorum_future = None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"no quorum of fault_tolerance.min_replicas={config.min_replicas} replica(s) formed at"
+                        f" {config.lighthouse} within quorum_timeout={config.quorum_timeout} s ({err})"
+                    ) from err
+                continue
             n = self.manager.num_participants()
             if n >= config.min_replicas and self.manager.errored() is None:
                 break
