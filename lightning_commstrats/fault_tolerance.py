@@ -313,8 +313,10 @@ class ReplicaSync:
         """Join the next quorum; waits for ``min_replicas`` replicas at most ``quorum_timeout`` seconds."""
         config = self.config
         deadline = time.monotonic() + config.quorum_timeout
+        # a heal received by an attempt that is then retried (too few replicas) still counts: torchft
+        # has moved this replica's step on and will not send it again
+        self._received = None
         while True:
-            self._received = None
             left = deadline - time.monotonic()
             try:
                 self.manager.start_quorum(timeout=timedelta(seconds=max(min(config.quorum_renew_interval, left), 0.1)))

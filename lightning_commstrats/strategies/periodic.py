@@ -65,6 +65,7 @@ class _Exchange:
     future: Future | None = None
     nonfinite: list[str] | None = None  # names whose average is not finite (set when it lands)
     contributes: bool = True  # fault tolerance: False for a replica that healed at this sync (it sends zeros)
+    took_part: int = 1  # fault tolerance: replicas whose block the average holds (0: no outer step)
     healed: dict[str, Any] | None = None  # fault tolerance: the shared state received at this sync, to adopt
 
 
@@ -410,6 +411,9 @@ class PeriodicSyncStrategy(CommStrategy):
             self._adopt(pending.healed)
         assert self.outer is not None
         f = pending.fragment
+        if pending.took_part == 0:  # every replica of the quorum was taking the run's state: nothing to step with
+            self.load_flat(self.outer.start_point(f), f)
+            return
         if pending.nonfinite and self.handle_nonfinite(pending.nonfinite, f"pseudo-gradients (fragment {f})"):
             # the block is discarded on every rank: no outer step, the fragment restarts from the global model
             self.load_flat(self.outer.start_point(f), f)
@@ -559,7 +563,7 @@ class PeriodicSyncStrategy(CommStrategy):
                         mine = _to_cpu(self._shared_state(None)) if first.comm.rank == 0 else None
                         state = first.comm.broadcast_object(mine, 0, tag="weights")
                         ok, err = True, None
-                    except RuntimeError as e:
+                    except Exception as e:  # a peer died in the broadcast: a new quorum
                         ok, err = False, e
                     if not self._replica.commit(ok, err):
                         kind, state = "retry", None
@@ -567,6 +571,10 @@ class PeriodicSyncStrategy(CommStrategy):
             if kind == "retry":
                 return False
             self._adopt(state)
+            if state["sync"] is not None:
+                # the snapshot was taken inside the source's optimizer step, before Lightning stepped its
+                # schedulers for it: step them here, where this replica's loop will not
+                step_schedulers_once(self.trainer)
             if kind == "heal" and state["sync"] is not None:
                 # the others are in a sync: take part (sending zeros), then apply it when they do
                 fragment, started_at, apply_at = state["sync"]
@@ -603,7 +611,7 @@ class PeriodicSyncStrategy(CommStrategy):
         received: dict[str, Any] | None = None  # the run's state, once this replica learned it is behind
 
         def attempt(_: int) -> bool:
-            nonlocal first, nonfinite, received
+            nonlocal first, nonfinite, received, grad, backup
             committed = False
             if self._replica is not None:
                 quorum, first = first or self._replica.quorum(), None
@@ -612,7 +620,16 @@ class PeriodicSyncStrategy(CommStrategy):
                         received = quorum.healed
                     received = self._reconcile(quorum, received) or received
                     if received is not None:
+                        # until it is adopted, the run's state is what this replica would heal a peer with
+                        self._shared = received
                         pending.contributes = False
+                        if received["sync"] is not None and received["sync"][:2] != (
+                            pending.fragment,
+                            pending.started_at,
+                        ):
+                            # behind by a whole sync (its own failed): join the one the run is in
+                            grad = self._retarget(pending, received["sync"])
+                            backup = grad.clone()
                         grad.zero_()
                         backup.zero_()
                     exchange = self._bind_exchange(quorum.comm)
@@ -623,15 +640,21 @@ class PeriodicSyncStrategy(CommStrategy):
                     took_part = float(quorum.comm.all_reduce(count, tag="control").item())
                     if took_part > 0 and took_part != quorum.comm.world_size:
                         grad.mul_(quorum.comm.world_size / took_part)  # the mean over those who trained
+                    pending.took_part = int(took_part)
                     ok, err = True, None
-                except RuntimeError as e:
+                except Exception as e:  # any failure of this attempt (a dead peer, garbage received): retry
                     ok, err = False, e
                 committed = self._replica.commit(ok, err)
                 if committed:
                     exchange.commit()
                 elif self._exchange is not None:
                     self._exchange.discard()
-            committed, nonfinite = self._relay.broadcast_object((committed, nonfinite), 0)
+            committed, nonfinite, pending.took_part, sync = self._relay.broadcast_object(
+                (committed, nonfinite, pending.took_part, (pending.fragment, pending.started_at, pending.apply_at)), 0
+            )
+            if sync != (pending.fragment, pending.started_at, pending.apply_at):  # the replica's other ranks follow
+                grad = self._retarget(pending, sync)
+                backup = grad.clone()
             if not committed:
                 grad.copy_(backup)
                 return False
@@ -644,6 +667,14 @@ class PeriodicSyncStrategy(CommStrategy):
         run_attempts(self.fault_tolerance.max_sync_attempts, attempt, f"the sync of fragment {pending.fragment}")
         return nonfinite
 
+    def _retarget(self, pending: _Exchange, sync: tuple[int, int, int]) -> Tensor:
+        """Point ``pending`` at the sync the run is in (another fragment, later steps), with a zero
+        pseudo-gradient of that fragment's size, applied at this replica's next step; returns it."""
+        fragment, started_at, _ = sync
+        pending.fragment, pending.started_at, pending.apply_at = fragment, started_at, 0
+        pending.grad = torch.zeros_like(self.flat_weights(fragment))
+        return pending.grad
+
     def _reconcile(self, quorum: Quorum, received: dict[str, Any] | None) -> dict[str, Any] | None:
         """Make sure the quorum's replicas hold one global model before they average into it.
 
@@ -653,8 +684,8 @@ class PeriodicSyncStrategy(CommStrategy):
         failed on others, which then committed a retry among themselves). Every replica sends a
         fingerprint of its global model (exact integer sums of its bits, the same on any hardware)
         and its count of committed batches; when they differ, the state of the replica with the most
-        committed batches (then the lowest rank) is sent to the others. Returns that state when this
-        replica must take it, else ``None``."""
+        committed batches (then the model most of them hold, then the lowest rank) is sent to the
+        others. Returns that state when this replica must take it, else ``None``."""
         assert self._replica is not None and self.outer is not None
         if received is not None:
             weights = [w.to(self.root_device) for w in received["outer"]["weights"]]
@@ -664,7 +695,9 @@ class PeriodicSyncStrategy(CommStrategy):
         rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
         if all(r[1:] == rows[0][1:] for r in rows):
             return None
-        canonical = max(range(len(rows)), key=lambda i: (rows[i][0], -i))
+        # the longest committed history, then the model most replicas hold, then the lowest rank
+        holders = [sum(r[1:] == rows[i][1:] for r in rows) for i in range(len(rows))]
+        canonical = max(range(len(rows)), key=lambda i: (rows[i][0], holders[i], -i))
         me = quorum.comm.rank
         log.warning(
             "replica %r: the quorum's replicas hold %d different global models at step %d; taking replica"
@@ -881,6 +914,15 @@ def fingerprint(tensors: list[Tensor]) -> Tensor:
     return sums
 
 
+def step_schedulers_once(trainer: Any) -> None:
+    """Step the Trainer's per-step learning-rate schedulers once (as its loop does after a step)."""
+    if trainer is None:
+        return
+    for cfg in trainer.lr_scheduler_configs:
+        if cfg.interval == "step":
+            cfg.scheduler.step()
+
+
 def set_trainer_steps(trainer: Any, steps: int) -> None:
     """Make the Trainer count ``steps`` optimizer steps done (its ``global_step``), so that a replica
     that healed from a peer stops at the same ``max_steps`` as the run."""
@@ -890,8 +932,12 @@ def set_trainer_steps(trainer: Any, steps: int) -> None:
         if trainer.lightning_module.automatic_optimization
         else epoch_loop.manual_optimization.optim_step_progress
     )
-    progress.total.ready = progress.total.completed = steps
-    epoch_loop._batches_that_stepped = steps
+    # Inside an optimizer step (a sync applied there) Lightning has counted the step as ready and
+    # counts it completed, and the batch as stepped, only after: leave that one to it.
+    inside = int(progress.total.ready > progress.total.completed)
+    progress.total.ready = steps
+    progress.total.completed = steps - inside
+    epoch_loop._batches_that_stepped = steps - inside
 
 
 def reset_momentum(optimizer: Optimizer, param_ids: set[int] | None = None) -> None:
