@@ -464,10 +464,16 @@ class PeriodicSyncStrategy(CommStrategy):
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        if self._replica is not None:  # the run is over for this replica: leave the quorums
+        self.release_resources()  # the run is over for this replica: leave the quorums
+        super().on_train_end()
+
+    @override
+    def release_resources(self) -> None:
+        # also when fit stopped on an error: the Manager's heartbeats would keep the replica alive
+        if self._replica is not None:
             self._replica.shutdown()
             self._replica = None
-        super().on_train_end()
+        super().release_resources()
 
     # ------------------------------------------------------------------ fault tolerance across replicas
 
