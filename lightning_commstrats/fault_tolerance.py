@@ -40,8 +40,9 @@ import logging
 import os
 import socket
 import time
+import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -159,13 +160,8 @@ class FaultTolerance:
             raise ValueError(f"fault_tolerance got unknown setting(s) {unknown}; it takes {sorted(known)}")
         return cls(**value)
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def data_seed(self) -> int:
         """A seed for this replica's data order, derived from its name (the same after a restart)."""
-        import zlib
-
         return zlib.crc32(self.replica_id.encode()) & 0x7FFFFFFF
 
 
@@ -266,7 +262,6 @@ class ReplicaSync:
         self.config = config
         self.device = device
         self.stats = stats
-        self._state_dict = state_dict
         self._received: dict[str, Any] | None = None
         timeout = timedelta(seconds=config.timeout)
         # the replica's own rendezvous store for torchft (the Manager's address, the quorums' keys)
@@ -278,7 +273,7 @@ class ReplicaSync:
             checkpoint_transport=_advertised_http_transport(hostname, timeout),
             pg=self.pg,
             load_state_dict=self._receive,
-            state_dict=self._state_dict,
+            state_dict=state_dict,
             min_replica_size=config.min_replicas,
             use_async_quorum=False,  # a quorum per sync, healed before the exchange
             # no heal at step 0: the first quorum agrees on one replica's model by a broadcast
