@@ -9,7 +9,7 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' '
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all smoke-lowest lint format bench bench-quick clean
+.PHONY: install demo test test-all smoke-lowest lint format docs bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,17 @@ bench-quick: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/compare.py --quick --seeds 0 $(BENCH_ARGS)
 
+# The documentation site (Sphinx: the API reference from the docstrings, the recipes, the benchmarks'
+# tables and plots, the notebooks from their committed outputs) into docs/_build/html/index.html.
+# Warnings are errors, as in CI; -E re-reads every page so that each build reports all of them.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[docs]"
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -E -b html docs docs/_build/html
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -72,4 +83,4 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .ruff_cache lightning_logs
+	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .ruff_cache lightning_logs docs/_build docs/notebooks

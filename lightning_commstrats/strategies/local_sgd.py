@@ -19,8 +19,8 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     1. At start, rank 0's weights are broadcast (``MPI.COMM_WORLD.Bcast``);
     2. every rank trains on its own shard of the data (Lightning's distributed sampler);
     3. every ``sync_period`` (``Q``) optimizer steps, the change of every parameter tensor since
-       the last exchange (the pseudo-gradient) is ``Allreduce``d in place, one call per tensor
-       (the tensor's own memory is the MPI buffer, no copy), and divided by the world size.
+       the last exchange (the pseudo-gradient) is summed by ``Allreduce`` in place, one call per
+       tensor (the tensor's own memory is the MPI buffer, no copy), and divided by the world size.
 
     It is model averaging with the period counted in steps and MPI as the transport: the result
     equals ``model_averaging`` with the same period over gloo. ``pseudo_grad_bits`` < 32 sends the

@@ -71,8 +71,9 @@ class OneBitSGDStrategy(AllReduceStrategy):
             (optimizer steps).
         small_tensor_numel: tensors this small (or 1-D) are all-reduced in fp32.
         half_dtype: the 16-bit format, ``"float16"`` or ``"bfloat16"``.
-        bucket_cap_mb, backend, timeout, start_method, **kwargs: as :class:`AllReduceStrategy`
-            (``resume_mismatch="reset"`` restarts the residuals when a checkpoint's do not fit).
+        bucket_cap_mb, backend, timeout, start_method: as :class:`AllReduceStrategy`.
+        **kwargs: as :class:`AllReduceStrategy` (``resume_mismatch="reset"`` restarts the residuals
+            when a checkpoint's do not fit).
 
     Example::
 

@@ -58,8 +58,8 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
         fragment_sync_delay: inner steps an exchange overlaps (default 5; 0 blocks).
         fragment_update_alpha: mixing weight of the local fragment, in [0, 1] (default 0).
         pseudo_grad_bits: 32, 16, 8, 4 (default) or 2.
-        outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs, parallelization_start,
-            reset_sgd_momentum: as :class:`DiLoCoStrategy`.
+        outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs, parallelization_start, reset_sgd_momentum:
+            as :class:`DiLoCoStrategy`.
         **kwargs: :class:`~lightning_commstrats.strategies.base.CommStrategy` arguments.
 
     Example::
