@@ -222,6 +222,17 @@ class Communicator(ABC):
     def _duplicate(self) -> Communicator:
         raise NotImplementedError(f"{type(self).__name__} cannot make a second channel")
 
+    def flag_channel(self) -> FlagChannel | None:
+        """A channel of its own over the same ranks that ORs one flag per round without blocking
+        the caller (:class:`FlagChannel`); ``None`` with one rank. Every rank must call this, in the
+        same order, and then use the channel in lockstep."""
+        if self.world_size == 1:
+            return None
+        return self._flag_channel()
+
+    def _flag_channel(self) -> FlagChannel:
+        raise NotImplementedError(f"{type(self).__name__} has no flag channel")
+
     # ------------------------------------------------------------------ backend hooks
 
     def _reduce_itemsize(self, tensor: Tensor) -> int:
@@ -267,6 +278,55 @@ class Communicator(ABC):
     def _diagnose(self) -> str:
         """Why a collective may have failed (which peer stopped), where the backend can tell."""
         return ""
+
+
+class FlagChannel(ABC):
+    """An OR of one boolean over every rank, one round at a time, that never blocks its caller
+    for long: :meth:`start` sends this rank's flag for the next round (one 4-byte all-reduce,
+    charged under ``"control"``) and returns at once; :meth:`result` waits for the round and
+    returns True when any rank's flag was set. Every rank starts and reads the same rounds in the
+    same order, so every rank reads the same value for each round.
+
+    It runs on a channel of its own (a gloo group on the CPU for torch.distributed, whatever the
+    data's backend; a duplicate communicator for MPI): its rounds never interleave with the
+    data's collectives, nor stall a CUDA stream.
+    """
+
+    def __init__(self, stats: CommStats, diagnose: Callable[[], str] | None = None) -> None:
+        self.stats = stats
+        self._diagnose = diagnose
+        self._pending = False
+        self._started = 0.0
+
+    def start(self, flag: bool) -> None:
+        if self._pending:
+            raise RuntimeError("a flag round is already in flight; read its result first")
+        self._started = time.perf_counter()
+        self._start(int(bool(flag)))
+        self._pending = True
+
+    def result(self) -> bool:
+        """The OR of the round in flight (False when none is): waits for it."""
+        if not self._pending:
+            return False
+        self._pending = False
+        try:
+            value = self._wait()
+        except Exception as err:  # a peer stopped: say which where the backend can tell
+            why = self._diagnose() if self._diagnose is not None else ""
+            raise CollectiveError(f"a flag round (control) failed{': ' + why if why else ''}. {err}") from err
+        self.stats.record("control", 4, time.perf_counter() - self._started)
+        return bool(value)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    @abstractmethod
+    def _start(self, flag: int) -> None: ...
+
+    @abstractmethod
+    def _wait(self) -> int: ...
 
 
 class CollectiveError(RuntimeError):

@@ -17,7 +17,7 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor
 
-from lightning_commstrats.comm.base import Communicator
+from lightning_commstrats.comm.base import Communicator, FlagChannel
 from lightning_commstrats.comm.stats import CommStats
 
 MPI4PY_AVAILABLE = RequirementCache("mpi4py")
@@ -70,6 +70,9 @@ class MPICommunicator(Communicator):
             )
         return MPICommunicator(self.comm.Dup(), stats=self.stats)
 
+    def _flag_channel(self) -> FlagChannel:
+        return _MPIFlags(self.comm.Dup(), self._MPI, self.stats)
+
     def _reduce_itemsize(self, tensor: Tensor) -> int:
         # numpy has no bfloat16: reductions stage it as float32, which is what travels
         return 4 if tensor.dtype == torch.bfloat16 else tensor.element_size()
@@ -101,6 +104,26 @@ class MPICommunicator(Communicator):
 
     def _barrier(self) -> None:
         self.comm.Barrier()
+
+
+class _MPIFlags(FlagChannel):
+    """A flag channel on a duplicate of the MPI communicator: a nonblocking MAX ``Iallreduce``."""
+
+    def __init__(self, comm: Any, mpi: Any, stats: CommStats) -> None:
+        super().__init__(stats)
+        self.comm, self._MPI = comm, mpi
+        self._send = np.zeros(1, dtype=np.int32)
+        self._recv = np.zeros(1, dtype=np.int32)
+        self._request: Any = None
+
+    def _start(self, flag: int) -> None:
+        self._send[0] = flag
+        self._request = self.comm.Iallreduce(self._send, self._recv, op=self._MPI.MAX)
+
+    def _wait(self) -> int:
+        request, self._request = self._request, None
+        request.Wait()
+        return int(self._recv[0])
 
 
 def _displs(counts: list[int]) -> list[int]:

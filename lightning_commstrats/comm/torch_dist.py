@@ -14,13 +14,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_commstrats.comm.base import Communicator
+from lightning_commstrats.comm.base import Communicator, FlagChannel
 from lightning_commstrats.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,11 @@ class TorchCommunicator(Communicator):
         ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
         return TorchCommunicator(dist.new_group(ranks), stats=self.stats, heartbeat=self.heartbeat, device=self.device)
 
+    def _flag_channel(self) -> FlagChannel:
+        ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
+        group = dist.new_group(ranks, backend="gloo")  # CPU: no CUDA stream waits on a flag
+        return _GlooFlags(group, self.stats, self._diagnose)
+
     def _diagnose(self) -> str:
         if self.heartbeat is None:
             return ""
@@ -243,6 +249,26 @@ class TorchCommunicator(Communicator):
             return _Staged(tensor, tensor, writeback=False)
         staged = tensor.to(self.device) if fill else torch.empty_like(tensor, device=self.device)
         return _Staged(tensor, staged, writeback=writeback)
+
+
+class _GlooFlags(FlagChannel):
+    """A flag channel on a gloo group of its own: an asynchronous MAX all-reduce of one int32."""
+
+    def __init__(self, group: dist.ProcessGroup, stats: CommStats, diagnose: Callable[[], str]) -> None:
+        super().__init__(stats, diagnose)
+        self.group = group
+        self._buffer = torch.zeros(1, dtype=torch.int32)
+        self._work: dist.Work | None = None
+
+    def _start(self, flag: int) -> None:
+        self._buffer.fill_(flag)
+        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def _wait(self) -> int:
+        assert self._work is not None
+        work, self._work = self._work, None
+        work.wait()
+        return int(self._buffer.item())
 
 
 class _Staged:

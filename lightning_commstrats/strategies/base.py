@@ -56,6 +56,7 @@ from lightning_commstrats.comm import (
 )
 from lightning_commstrats.compression.exchange import BucketedAllReduce
 from lightning_commstrats.compression.hierarchical import TwoLevelAllReduce, check_slow_bits
+from lightning_commstrats.strategies.stop import StopAgreement
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._comm: Communicator | None = None
+        self.stop_agreement = StopAgreement()  # SIGTERM: every rank stops at the same batch
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -372,6 +374,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_scheme()
+        if fitting:  # before the Trainer registers its signal handlers
+            self.stop_agreement.attach(trainer, self.comm)
 
     def setup_scheme(self) -> None:
         """The model is on its device with rank 0's weights: build the scheme's own structures (both
@@ -440,6 +444,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self.stop_agreement.poll()  # raises SIGTERMException on every rank at once after a SIGTERM
         size = extract_batch_size(batch)
         if self.world_size > 1 and self.schedule_counts_samples():
             # Ranks can see different numbers of samples (uneven last batches, an IterableDataset,
@@ -501,6 +506,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self.sync_buffers()
+        self.stop_agreement.finish()
 
     # ------------------------------------------------------------------ the strategy's own state
 
@@ -815,6 +821,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.stop_agreement.detach()
         self.release_resources()
         super().teardown()
 

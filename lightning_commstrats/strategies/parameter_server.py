@@ -78,11 +78,6 @@ from lightning_commstrats.strategies.allreduce import dense_grad, trainable_para
 from lightning_commstrats.strategies.base import CommStrategy
 from lightning_commstrats.strategies.periodic import check_period
 
-try:  # with the per-step SIGTERM broadcast it is raised by (Lightning >= 2.5)
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-except ImportError:  # pragma: no cover - an older Lightning has neither
-    SIGTERMException = None  # type: ignore[assignment,misc]
-
 log = logging.getLogger(__name__)
 
 PS_MODES = ("sync", "async")
@@ -363,6 +358,9 @@ class ParameterServerStrategy(CommStrategy):
             raise ValueError("parameter_server has no group exchange: group_size does not apply")
         super().__init__(**kwargs)
         self.mode = mode
+        # async workers never wait for each other: a worker that gets SIGTERM stops at its next batch
+        # alone, and the others name it at their next push, as they do any worker that stops
+        self.stop_agreement.together = mode != "async"
         self.num_servers = num_servers
         self.sync_period = sync_period
         self.sync_period_unit = sync_period_unit
@@ -460,24 +458,7 @@ class ParameterServerStrategy(CommStrategy):
                 shard.seed(flat[shard.lo : shard.hi])
             self._base = flat
             self._last_sync = self._progress()
-            self._unsynchronize_sigterm_check()
         self.comm.barrier()  # no worker pushes before every server is ready
-
-    def _unsynchronize_sigterm_check(self) -> None:
-        """Lightning's training loop broadcasts rank 0's SIGTERM flag at every step (a collective
-        outside this strategy, which would tie every worker to the slowest at every step); async
-        workers check their own flag instead, and a rank that gets SIGTERM stops the others as any
-        rank that stops does (they name it at their next push)."""
-        trainer = self.trainer
-        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        if loop is None or SIGTERMException is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
-            return
-
-        def own_flag_only() -> None:
-            if getattr(trainer, "received_sigterm", False):
-                raise SIGTERMException()
-
-        loop._broadcast_sigterm_tensor = own_flag_only
 
     @override
     def on_exception(self, exception: BaseException) -> None:

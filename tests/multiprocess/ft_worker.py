@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -200,9 +201,18 @@ def main() -> None:
     strategy._reconcile = reconcile
 
     class Killer(L.Callback):
+        """``kill["after_step"]``: SIGKILL (a dead machine), or with ``kill["signal"] == "TERM"`` a
+        SIGTERM (a preemption) sent once to ``kill["rank"]`` of the replica (default: every rank)."""
+
+        sent = False
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if kill and "after_step" in kill and trainer.global_step >= kill["after_step"]:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if not kill or "after_step" not in kill or trainer.global_step < kill["after_step"] or self.sent:
+                return
+            if kill.get("rank", trainer.global_rank) != trainer.global_rank:
+                return
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM if kill.get("signal") == "TERM" else signal.SIGKILL)
 
     data = task()
     if spec.get("front") == "fabric":
@@ -221,11 +231,15 @@ def main() -> None:
             callbacks=[Killer()],
             default_root_dir=str(out / rid),
         )
-        trainer.fit(
-            model,
-            DataLoader(data, batch_size=16, shuffle=True),
-            DataLoader(data, batch_size=256) if spec.get("limit_val_batches") else None,
-        )
+        try:
+            trainer.fit(
+                model,
+                DataLoader(data, batch_size=16, shuffle=True),
+                DataLoader(data, batch_size=256) if spec.get("limit_val_batches") else None,
+            )
+        except SIGTERMException:  # preempted: every rank of the replica stopped at the same step
+            out.joinpath(f"{rid}.rank{trainer.global_rank}.stopped").write_text(str(trainer.global_step))
+            return
         global_step, lr = trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]
     weights, opt = outer_tensors(strategy)
     with torch.no_grad():

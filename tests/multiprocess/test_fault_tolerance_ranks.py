@@ -154,6 +154,27 @@ def test_a_replica_of_two_ranks_follows_its_rank_0_and_heals_as_one():
     assert b["heals"], "the restarted b healed from a"
 
 
+def test_a_preempted_replica_stops_as_one_and_leaves_the_run_to_the_others():
+    """SIGTERM to rank 1 of a two-rank replica (a preemption notice): both of its ranks stop at the
+    same step, exit cleanly, its rank 0 leaves the quorums, and the other replicas go on without it;
+    started again, it heals and finishes with them."""
+    with FTRun(min_replicas=1) as run:
+        run.start("a", spec(0, min_replicas=1, max_steps=128))
+        term = {"after_step": 12, "signal": "TERM", "rank": 1}
+        run.start("b", spec(1, min_replicas=1, max_steps=128, devices=2, kill=term))
+        assert run.wait_dead("b") == 0
+        stopped = [int((run.out / f"b.rank{r}.stopped").read_text()) for r in range(2)]
+        assert stopped[0] == stopped[1] and 12 <= stopped[0] < 128, stopped
+        time.sleep(RESTART_AFTER)
+        run.start("b", spec(5, min_replicas=1, max_steps=128, devices=2))
+        results = run.wait()
+    assert_agreement(results)
+    a, b = results["a"], results["b"]
+    quorums = [s["quorum"] for s in a["syncs"] if s["optimizer_steps"] > stopped[0]]
+    assert quorums[0] == 1 and quorums[-1] == 2, a["syncs"]  # b left, then came back
+    assert b["heals"] and b["global_step"] == a["global_step"] == 128
+
+
 def test_replicas_at_the_same_step_with_different_models_take_one_before_averaging():
     # torchft heals by committed step only; b's global model is changed behind its back after its
     # committed step 3 (as when two replicas each formed a first quorum alone, or a sync committed on
