@@ -53,6 +53,7 @@ from torch import Tensor
 
 from lightning_commstrats.comm.base import Communicator
 from lightning_commstrats.comm.stats import CommStats
+from lightning_commstrats.comm.torch_dist import staged_on
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ class ReplicaCommunicator(Communicator):
 
         opts = AllreduceOptions()
         opts.reduceOp = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
-        self.pg.allreduce([tensor], opts).wait()
+        with staged_on(self.device, tensor) as t:
+            self.pg.allreduce([t], opts).wait()
 
     def _reduce_scatter(self, out: Tensor, tensor: Tensor, op: str) -> None:
         # gloo has no reduce-scatter: nothing in the cross-replica exchange needs one
@@ -206,19 +208,22 @@ class ReplicaCommunicator(Communicator):
     def _all_gather(self, out: Tensor, tensor: Tensor) -> None:
         from torch.distributed.distributed_c10d import AllgatherOptions
 
-        self.pg.allgather([list(out.unbind(0))], [tensor], AllgatherOptions()).wait()
+        with staged_on(self.device, out, fill=False) as o, staged_on(self.device, tensor, writeback=False) as t:
+            self.pg.allgather([list(o.unbind(0))], [t], AllgatherOptions()).wait()
 
     def _all_to_all(self, out: Tensor, tensor: Tensor, recv_splits: list[int], send_splits: list[int]) -> None:
         from torch.distributed.distributed_c10d import AllToAllOptions
 
-        self.pg.alltoall_base(out, tensor, recv_splits, send_splits, AllToAllOptions()).wait()
+        with staged_on(self.device, out, fill=False) as o, staged_on(self.device, tensor, writeback=False) as t:
+            self.pg.alltoall_base(o, t, recv_splits, send_splits, AllToAllOptions()).wait()
 
     def _broadcast(self, tensor: Tensor, src: int) -> None:
         from torch.distributed.distributed_c10d import BroadcastOptions
 
         opts = BroadcastOptions()
         opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+        with staged_on(self.device, tensor) as t:
+            self.pg.broadcast([t], opts).wait()
 
     def _barrier(self) -> None:
         one = torch.zeros(1, device=self.device)
@@ -246,6 +251,8 @@ class ReplicaSync:
         state_dict: returns the shared state a healing peer receives (called by torchft in its
             quorum thread: return a snapshot, or tensors nobody changes until the sync commits).
         stats: the statistics the cross-replica collectives charge.
+        host: exchange through host memory (torchft's gloo group, CUDA tensors staged through
+            host copies) also on CUDA: for an exchange issued from a background thread.
     """
 
     def __init__(
@@ -254,6 +261,8 @@ class ReplicaSync:
         device: torch.device,
         state_dict: Callable[[], dict[str, Any]],
         stats: CommStats,
+        *,
+        host: bool = False,
     ) -> None:
         torchft = import_torchft()
         from torch.distributed import TCPStore
@@ -261,12 +270,16 @@ class ReplicaSync:
         check_lighthouse(config)
         self.config = config
         self.device = device
+        self.host = host or device.type != "cuda"
         self.stats = stats
         self._received: dict[str, Any] | None = None
         timeout = timedelta(seconds=config.timeout)
         # the replica's own rendezvous store for torchft (the Manager's address, the quorums' keys)
         self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        pg_class = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+        # NCCL on CUDA, unless the exchange runs in a background thread (``host``): then gloo, the
+        # tensors staged through host memory, so that thread never issues an NCCL collective beside
+        # the replica's own (its per-step gradient all-reduce)
+        pg_class = torchft.ProcessGroupGloo if self.host else torchft.ProcessGroupNCCL
         self.pg = pg_class(timeout=timeout)
         hostname = config.hostname or socket.gethostname()
         self.manager = torchft.Manager(
@@ -337,7 +350,7 @@ class ReplicaSync:
             time.sleep(min(1.0, config.quorum_timeout / 10))
         rank = self.manager.participating_rank()
         assert rank is not None
-        comm = ReplicaCommunicator(self.pg, rank, n, self.stats, self.device)
+        comm = ReplicaCommunicator(self.pg, rank, n, self.stats, torch.device("cpu") if self.host else self.device)
         return Quorum(comm=comm, step=self.step, healed=self._received)
 
     def commit(self, ok: bool, error: BaseException | None = None) -> bool:

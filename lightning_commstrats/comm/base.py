@@ -208,18 +208,20 @@ class Communicator(ABC):
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
         raise NotImplementedError(f"{type(self).__name__} cannot make subgroups")
 
-    def duplicate(self) -> Communicator:
+    def duplicate(self, *, host: bool = False) -> Communicator:
         """A communicator over the same ranks on a channel of its own, charging the same statistics.
 
         Collectives on it may run in another thread while this one is used (a background exchange
         never interleaves with the main thread's collectives). Every rank must call this, in the
-        same order.
+        same order. ``host=True``: the channel moves host memory (a gloo group for
+        torch.distributed; CUDA tensors are staged through host copies), so a thread using it never
+        issues an NCCL collective beside the main thread's.
         """
         if self.world_size == 1:
             return self
-        return self._duplicate()
+        return self._duplicate(host)
 
-    def _duplicate(self) -> Communicator:
+    def _duplicate(self, host: bool) -> Communicator:
         raise NotImplementedError(f"{type(self).__name__} cannot make a second channel")
 
     def flag_channel(self) -> FlagChannel | None:

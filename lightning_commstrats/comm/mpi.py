@@ -58,7 +58,7 @@ class MPICommunicator(Communicator):
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
         return MPICommunicator(self.comm.Split(color=mine, key=self.rank), stats=self.stats)
 
-    def _duplicate(self) -> Communicator:
+    def _duplicate(self, host: bool) -> Communicator:  # MPI stages CUDA tensors through the host already
         # the second channel is used from a background thread while the main thread uses this one
         level = self._MPI.Query_thread()
         if level < self._MPI.THREAD_MULTIPLE:

@@ -3,8 +3,9 @@
 NCCL moves only CUDA tensors of the device its group is bound to. The communicator's own messages
 are made there (:attr:`TorchCommunicator.device`), and a tensor handed to an NCCL collective from
 elsewhere (a CPU metric Lightning reduces) travels through a copy on that device, written back
-after, as the MPI communicator stages CUDA tensors through the host. Gloo takes the tensors as
-they are.
+after, as the MPI communicator stages CUDA tensors through the host. A gloo group moves host
+memory: CUDA tensors handed to it travel through host copies the same way (the second channel of a
+background exchange on a CUDA run is such a group, see :meth:`Communicator.duplicate`).
 """
 
 from __future__ import annotations
@@ -199,9 +200,10 @@ class TorchCommunicator(Communicator):
                 made = group
         return TorchCommunicator(made, stats=self.stats, heartbeat=self.heartbeat, device=self.device)
 
-    def _duplicate(self) -> Communicator:
+    def _duplicate(self, host: bool) -> Communicator:
         ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
-        return TorchCommunicator(dist.new_group(ranks), stats=self.stats, heartbeat=self.heartbeat, device=self.device)
+        group = dist.new_group(ranks, backend="gloo" if host else None)
+        return TorchCommunicator(group, stats=self.stats, heartbeat=self.heartbeat, device=self.device)
 
     def _flag_channel(self) -> FlagChannel:
         ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
@@ -243,12 +245,20 @@ class TorchCommunicator(Communicator):
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def _staged(self, tensor: Tensor, *, fill: bool = True, writeback: bool = True) -> _Staged:
-        """``tensor`` as the backend takes it: itself, or (NCCL, a tensor on another device) a copy
-        on :attr:`device`, filled from it when ``fill`` and copied back into it when ``writeback``."""
-        if self.backend != "nccl" or tensor.device == self.device:
-            return _Staged(tensor, tensor, writeback=False)
-        staged = tensor.to(self.device) if fill else torch.empty_like(tensor, device=self.device)
-        return _Staged(tensor, staged, writeback=writeback)
+        """``tensor`` as the backend takes it: itself, or a copy on :attr:`device` (NCCL: a tensor on
+        another device; gloo: a CUDA tensor, through host memory), filled from it when ``fill`` and
+        copied back into it when ``writeback``. The copies run on the calling thread's current
+        stream: a background exchange on its own stream waits for them, the main stream does not."""
+        return staged_on(self.device, tensor, fill=fill, writeback=writeback)
+
+
+def staged_on(device: torch.device, tensor: Tensor, *, fill: bool = True, writeback: bool = True) -> _Staged:
+    """A context handing out ``tensor`` itself when it is on ``device``, else a copy there (filled
+    from it when ``fill``; copied back into it on success when ``writeback``)."""
+    if tensor.device == device:
+        return _Staged(tensor, tensor, writeback=False)
+    staged = tensor.to(device) if fill else torch.empty_like(tensor, device=device)
+    return _Staged(tensor, staged, writeback=writeback)
 
 
 class _GlooFlags(FlagChannel):

@@ -119,7 +119,13 @@ class PeriodicSyncStrategy(CommStrategy):
             balanced by size), each synced every ``sync_period`` at its own offset; > 1 needs
             ``sync_period_unit="steps"``.
         fragment_sync_delay: inner steps between starting a fragment's exchange and applying its
-            result (0: blocking); must be < ``sync_period / num_fragments``.
+            result (0: blocking); must be < ``sync_period / num_fragments``. With a delay the
+            exchange runs in a background thread on a channel of its own. On CUDA that channel is
+            a gloo group (the fragment staged through host memory, on a CUDA stream of its own), so
+            every NCCL collective of the run is issued by the main thread alone: torch and NCCL do
+            not order collectives that two threads issue on two communicators of one device, and
+            the main thread issues some while the exchange is in flight (the SIGTERM flag round,
+            an MoE bias all-reduce, ``verify_sync_every``, buffers synchronised for a checkpoint).
         fragment_update_alpha: the local weights of a synced fragment become
             ``alpha * local + (1 - alpha) * global``, in [0, 1] (0: restart from the global model).
         fault_tolerance: ``None`` (default), or the settings (a dict or a
@@ -242,9 +248,14 @@ class PeriodicSyncStrategy(CommStrategy):
         With a delay it runs on a second channel of the ranks, in a background thread.
         """
         if self._exchange is None:
-            comm: Communicator = self.comm.duplicate() if self.fragment_sync_delay else self.comm
+            comm: Communicator = self._background_channel() if self.fragment_sync_delay else self.comm
             self._exchange = self._make_exchange(comm)
         return self._exchange
+
+    def _background_channel(self) -> Communicator:
+        """The second channel of the ranks for the background thread: host memory on CUDA (see
+        ``fragment_sync_delay``), else another group of the same backend."""
+        return self.comm.duplicate(host=self.root_device.type == "cuda")
 
     def _make_exchange(self, comm: Communicator) -> TensorExchange:
         return TensorExchange(
@@ -380,6 +391,9 @@ class PeriodicSyncStrategy(CommStrategy):
                     self._side_stream = torch.cuda.Stream(device=grad.device)
                 side = self._side_stream
                 side.wait_stream(torch.cuda.current_stream(grad.device))
+                # made on the main stream, used on the side one: its memory is not reused until the
+                # side stream is done with it, whichever thread drops the last reference
+                grad.record_stream(side)
             pending.future = self._pool.submit(self._exchange_on, side, pending, named)
         else:
             pending.nonfinite = self._average(pending, named)
@@ -481,11 +495,17 @@ class PeriodicSyncStrategy(CommStrategy):
         """Connect this replica to the run: its rank 0 starts the torchft Manager (and checks the
         Lighthouse); the other ranks learn whether that worked, so that none waits for ever."""
         assert self.fault_tolerance is not None
-        self._relay = self.comm.duplicate() if self.fragment_sync_delay and self.world_size > 1 else self.comm
+        self._relay = self._background_channel() if self.fragment_sync_delay and self.world_size > 1 else self.comm
         failure = None
         if self.global_rank == 0 and self._replica is None:
             try:
-                self._replica = ReplicaSync(self.fault_tolerance, self.root_device, self._heal_source, self.comm.stats)
+                self._replica = ReplicaSync(
+                    self.fault_tolerance,
+                    self.root_device,
+                    self._heal_source,
+                    self.comm.stats,
+                    host=self.fragment_sync_delay > 0,  # a background exchange: no NCCL from its thread
+                )
             except (ConnectionError, OSError, RuntimeError) as err:
                 failure = f"{type(err).__name__}: {err}"
         failure = self.comm.broadcast_object(failure, 0)

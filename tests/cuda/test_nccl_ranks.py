@@ -88,3 +88,28 @@ def test_allreduce_strategy_trains_on_nccl_with_equal_weights_on_every_rank():
         f"allreduce on {world} GPUs over NCCL: 8 steps, {results[0]['ar']['stats']['grad/bytes_sent']} gradient bytes"
         f" sent by rank 0 in {results[0]['ar']['stats']['grad/comm_seconds'] * 1e3:.2f} ms of device time"
     )
+
+
+@needs_nccl
+@needs_two_gpus
+def test_streaming_exchange_in_the_background_never_issues_nccl_from_its_thread():
+    """A fragment's exchange runs in a background thread while the main thread issues NCCL
+    collectives (the SIGTERM flag round is gloo, but verify_sync_every is NCCL): the background
+    channel is a gloo group over host copies, and every rank ends with the same global model."""
+    world = min(GPUS, 4)
+    kwargs = {"sync_period": 4, "num_fragments": 2, "fragment_sync_delay": 1, "pseudo_grad_bits": 4}
+    scenario = {
+        "strategy": "streaming_diloco",
+        "accelerator": "cuda",
+        "devices": world,
+        "max_steps": 16,
+        "kwargs": {**kwargs, "verify_sync_every": 1},
+    }
+    results = run_ranks({"scenarios": {"s": scenario}}, world)
+    for res in results:
+        assert "backend='nccl'" in res["s"]["comm"], res["s"]["comm"]
+        assert "backend='gloo'" in res["s"]["exchange_comm"], res["s"]["exchange_comm"]
+        assert len(res["s"]["sync_history"]) >= 6  # both fragments synced in the background, then at the end
+        for key, value in res["s"]["params"].items():  # every rank ends with the global model
+            torch.testing.assert_close(value, results[0]["s"]["params"][key], atol=0.0, rtol=0.0)
+    print(f"streaming_diloco on {world} GPUs: NCCL, background exchange over {results[0]['s']['exchange_comm']}")
