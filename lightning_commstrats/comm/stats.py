@@ -154,6 +154,7 @@ class CommStats:
         self.steps = 0
         self._clock_start = time.perf_counter()
         self._mark = self._now()
+        self._step_start = self._mark  # the mark the last step started at
         self.last_step = CommSnapshot()
 
     def record(self, tag: str, nbytes: int, seconds: float | PendingSeconds) -> None:
@@ -225,7 +226,7 @@ class CommStats:
     def start_clock(self) -> None:
         """Restart the wall clock (at the start of training) without touching the counters."""
         self._clock_start = time.perf_counter()
-        self._mark = self._now()
+        self._mark = self._step_start = self._now()
 
     def snapshot(self, wait: bool = True) -> CommSnapshot:
         """Cumulative figures since the stats were created.
@@ -241,8 +242,16 @@ class CommStats:
         (without waiting for the device: see the class notes)."""
         self.steps += 1
         now = self._now(wait=False)
-        self.last_step = delta(now, self._mark)
+        self._step_start, self._mark = self._mark, now
+        self.last_step = delta(now, self._step_start)
+        return self.last_step
+
+    def extend_last_step(self) -> CommSnapshot:
+        """Add what was sent since the last mark to the last step, without counting a step (the
+        end-of-fit synchronisation of a periodic scheme belongs to the run's last step)."""
+        now = self._now(wait=False)
         self._mark = now
+        self.last_step = delta(now, self._step_start)
         return self.last_step
 
     def _now(self, wait: bool = True) -> CommSnapshot:

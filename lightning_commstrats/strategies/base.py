@@ -729,9 +729,15 @@ class CommStrategy(RankDevices, ParallelStrategy):
         else:  # as if the step's samples had not come: schedules in samples stay where they were
             self.samples_per_worker = self._samples_at_step
             self._samples_total_all_ranks = self._samples_at_step_all_ranks
+        if runs:
+            self.on_step_counted(optimizer)
         if self.verify_sync_every and runs and self.optimizer_steps % self.verify_sync_every == 0:
             self.verify_replicas()
-        self.comm_stats.mark_step()
+        self.comm_stats.mark_step()  # what this step sent, its syncs included, is its last_step
+
+    def on_step_counted(self, optimizer: Optimizer) -> None:
+        """Called after every optimizer step that ran, once the counters include it, before its
+        communication statistics are closed (a periodic scheme syncs here)."""
 
     def after_backward(self, optimizer: Optimizer) -> None:
         """Called once per optimizer step when this rank's gradients are complete (before clipping).

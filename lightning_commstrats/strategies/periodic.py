@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_commstrats.buckets import flatten, unflatten_into
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import SCALES, TensorExchange, check_exchange_args
+from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, resolve_outer_optimizer
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
@@ -113,6 +114,11 @@ class PeriodicSyncStrategy(CommStrategy):
             of an embedding or output matrix is quantized on its own scale) or ``"columns"`` (per
             column, 1-bit SGD's layout; on a Brown LSTM's embedding the 4-bit error per row is about a
             fifth of the per-column one, see ``notebooks/onebit_inside.ipynb``).
+        pseudo_grad_codec: ``"uniform"`` (default: at 2, 4, 8 bits, ``2^bits`` evenly spaced levels
+            between two float32 scales per row or column, ``mean +- k std`` clipped to the values'
+            range) or ``"e3m0"`` (``pseudo_grad_bits=4`` only: Streaming DiLoCo's 4-bit float,
+            ``+-scale * 2^e`` for ``e`` in -6..0 and zero, one float32 scale per row or column, its
+            largest magnitude); see :class:`~lightning_commstrats.compression.E3M0Codec`.
         small_tensor_numel: tensors with at most this many values (and 1-D ones) go in fp32.
         half_dtype: the 16-bit format, ``"float16"`` or ``"bfloat16"``.
         num_fragments: parameters in this many fragments (contiguous in registration order,
@@ -151,6 +157,7 @@ class PeriodicSyncStrategy(CommStrategy):
         outer_optimizer_kwargs: dict[str, Any] | None = None,
         pseudo_grad_bits: int = 32,
         pseudo_grad_scales: str = "rows",
+        pseudo_grad_codec: str = "uniform",
         small_tensor_numel: int = 1024,
         half_dtype: str = "float16",
         num_fragments: int = 1,
@@ -182,6 +189,7 @@ class PeriodicSyncStrategy(CommStrategy):
         check_exchange_args(pseudo_grad_bits, half_dtype, small_tensor_numel, name="pseudo_grad_bits")
         if pseudo_grad_scales not in SCALES:
             raise ValueError(f"pseudo_grad_scales={pseudo_grad_scales!r} is not supported; choose one of {SCALES}")
+        check_codec(pseudo_grad_codec, pseudo_grad_bits, name="pseudo_grad_codec", bits_name="pseudo_grad_bits")
         if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
             raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
         if num_fragments > 1 and sync_period_unit != "steps":
@@ -214,6 +222,7 @@ class PeriodicSyncStrategy(CommStrategy):
         self.reset_sgd_momentum = reset_sgd_momentum
         self.pseudo_grad_bits = pseudo_grad_bits
         self.pseudo_grad_scales = pseudo_grad_scales
+        self.pseudo_grad_codec = pseudo_grad_codec
         self.small_tensor_numel = small_tensor_numel
         self.half_dtype = half_dtype
         self.num_fragments = num_fragments
@@ -265,6 +274,7 @@ class PeriodicSyncStrategy(CommStrategy):
             small_tensor_numel=self.small_tensor_numel,
             tag="weights",
             scales=self.pseudo_grad_scales,
+            codec=self.pseudo_grad_codec,
             bucket_cap_mb=self.bucket_cap_mb,
             keep_buffers=False,  # once per period, a whole fragment: not worth a standing copy
         )
@@ -344,10 +354,7 @@ class PeriodicSyncStrategy(CommStrategy):
             self.all_reduce_fused([dense_grad(p) for p in trainable_params(optimizer)], tag="grad")
 
     @override
-    def end_step(self, optimizer: Optimizer, runs: bool) -> None:
-        super().end_step(optimizer, runs)
-        if not runs:
-            return
+    def on_step_counted(self, optimizer: Optimizer) -> None:
         if self.started:
             if self._inflight is not None and self.optimizer_steps >= self._inflight.apply_at:
                 self._apply()
@@ -475,6 +482,7 @@ class PeriodicSyncStrategy(CommStrategy):
             final = self.global_weights()
             assert final is not None
             self.load_flat(final)
+            self.comm_stats.extend_last_step()  # the end-of-fit sync belongs to the last step
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

@@ -21,6 +21,10 @@ def _ranks_identical(results, scenario):
         _close(res[scenario]["params"], results[0][scenario]["params"], 0.0)
 
 
+def _weights_per_step(result) -> list[int]:
+    return [int(s.get("weights/bytes_sent", 0)) for s in result["step_bytes"]]
+
+
 def test_equivalences_bytes_final_sync_and_validation_on_two_ranks():
     scenarios = {
         "ma4": {"strategy": "model_averaging", "kwargs": {"sync_period": 4, **STEPS}, "trace": True},
@@ -37,7 +41,7 @@ def test_equivalences_bytes_final_sync_and_validation_on_two_ranks():
         },
         "ar_sgd": {"strategy": "allreduce", "momentum": 0.0},
         "ma1_sgd": {"strategy": "model_averaging", "momentum": 0.0, "kwargs": {"sync_period": 1, **STEPS}},
-        "bmuf_partial": {"strategy": "bmuf", "max_steps": 10, "kwargs": {"sync_period": 4, **STEPS}},
+        "bmuf_partial": {"strategy": "bmuf", "max_steps": 10, "trace": True, "kwargs": {"sync_period": 4, **STEPS}},
         "bmuf_val": {
             "strategy": "bmuf",
             "max_steps": 12,
@@ -62,6 +66,14 @@ def test_equivalences_bytes_final_sync_and_validation_on_two_ranks():
         assert res["ma4"]["stats"].get("grad/bytes_sent", 0) == 0
         # 10 steps with period 4: two blocks and a final partial one
         assert res["bmuf_partial"]["stats"]["weights/calls"] == 3
+        # each sync's bytes are in the step that made it; the end-of-fit sync in the last step
+        sync = ring_bytes(N_PARAMS, 4, 2)
+        assert _weights_per_step(res["ma4"]) == [0, 0, 0, sync, 0, 0, 0, sync]
+        assert _weights_per_step(res["bmuf_partial"]) == [0, 0, 0, sync, 0, 0, 0, sync, 0, 0]
+        # the SIGTERM flag round: 4 bytes a batch, read one batch later
+        assert [s.get("control/bytes_sent", 0) for s in res["ma4"]["step_bytes"]] == [0] + [4] * 7
+        assert res["bmuf_partial"]["last_step"]["weights/bytes_sent"] == sync
+        assert res["bmuf_partial"]["last_step"]["steps"] == 1
         # warm start: 4 synchronous steps, then blocks of 2 steps
         assert res["bmuf_warm"]["stats"]["grad/calls"] == 4
         assert res["bmuf_warm"]["stats"]["weights/calls"] == 2

@@ -226,10 +226,13 @@ class Trace(L.Callback):
         self.steps: list[torch.Tensor] = []
         self.validated: list[torch.Tensor] = []
         self.rows: list[torch.Tensor | None] = []
+        self.step_bytes: list[dict[str, float]] = []  # comm_stats.last_step after every step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.steps.append(flat(pl_module))
         self.rows.append(getattr(trainer.strategy, "last_rows", None))
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        self.step_bytes.append(stats.last_step.as_dict() if stats is not None else {})
 
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -409,6 +412,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "losses": model.losses,
         "world_size": trainer.world_size,
         "trace": trace.steps,
+        "step_bytes": trace.step_bytes,
         "validated": trace.validated,
         "rows": trace.rows,
         "states": states.states,
