@@ -80,7 +80,10 @@ class AllReduceStrategy(CommStrategy):
         """Average the gradients of ``params`` over ranks in fused buckets, through :meth:`exchange`."""
         grads = [dense_grad(p) for p in params]
         self.all_reduce_fused(
-            grads, tag="grad", exchange=lambda flat, idx: self.exchange(flat, [params[i] for i in idx])
+            grads,
+            tag="grad",
+            exchange=lambda flat, idx: self.exchange(flat, [params[i] for i in idx]),
+            names=[self.param_name(p) for p in params],
         )
 
     def exchange(self, flat_grad: Tensor, params: Sequence[torch.nn.Parameter]) -> Tensor:

@@ -748,16 +748,19 @@ class CommStrategy(RankDevices, ParallelStrategy):
         report the same names: they come from averages every rank holds)."""
         self._nonfinite_names.extend(names)
 
-    def handle_nonfinite(self, names: Sequence[str], what: str) -> bool:
-        """Apply the ``nonfinite`` policy to ``names``: raise, or return True (skip) with a warning."""
+    def handle_nonfinite(self, names: Sequence[str], what: str, *, everywhere: bool = True) -> bool:
+        """Apply the ``nonfinite`` policy to ``names``: raise, or return True (skip) with a warning.
+        ``everywhere=False``: a decision of this rank alone (the asynchronous parameter server)."""
         shown = _some_names(names)
+        where = "on every rank" if everywhere else f"on rank {self.global_rank}"
+        averaged = "averaged " if everywhere else ""
         if self.nonfinite == "raise":
             raise FloatingPointError(
-                f"{type(self).__name__}: the averaged {what} of {shown} hold inf or NaN at optimizer step"
-                f" {self.optimizer_steps} (on every rank). Lower the learning rate, clip gradients, use loss"
+                f"{type(self).__name__}: the {averaged}{what} of {shown} hold inf or NaN at optimizer step"
+                f" {self.optimizer_steps} ({where}). Lower the learning rate, clip gradients, use loss"
                 f" scaling, or pass nonfinite='skip' to skip such steps."
             )
-        log.warning("non-finite averaged %s (%s): step %d skipped on every rank", what, shown, self.optimizer_steps)
+        log.warning("non-finite %s%s (%s): step %d skipped %s", averaged, what, shown, self.optimizer_steps, where)
         return True
 
     def all_reduce_fused(
@@ -766,15 +769,25 @@ class CommStrategy(RankDevices, ParallelStrategy):
         *,
         tag: str,
         exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         """Average ``tensors`` over ranks in place, fused into buckets of at most ``bucket_cap_mb``.
 
         ``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
         ``tensors``); it must return the same tensor on every rank.
+
+        ``names`` (the tensors' names; gradients): the averages that hold an inf or a NaN are
+        reported (:meth:`report_nonfinite`), for the ``nonfinite`` policy to raise or skip the step
+        on every rank. The check reads each bucket's average once (every rank holds the same, so
+        every rank decides the same) and synchronises with the host once per call, not per tensor.
         """
         if self._fused is None:
             self._fused = BucketedAllReduce(self.comm, int(self.bucket_cap_mb * 2**20), average=self.two_level)
-        self._fused(tensors, tag=tag, exchange=exchange)
+        flags: list[Tensor] | None = [] if names is not None else None
+        self._fused(tensors, tag=tag, exchange=exchange, finite_flags=flags)
+        if flags and not bool(torch.stack(flags).all()):
+            assert names is not None
+            self.report_nonfinite([n for n, t in zip(names, tensors, strict=True) if not bool(torch.isfinite(t).all())])
 
     def average_flat(self, flat: Tensor, tag: str, key: str | None = None) -> Tensor:
         """The average over ranks of one flat buffer: two levels with ``group_size``, else one ring."""

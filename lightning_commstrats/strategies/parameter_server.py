@@ -595,6 +595,14 @@ class ParameterServerStrategy(CommStrategy):
         self._check_peers()
         local = self.flat_weights()
         progress = local - self._base
+        if not bool(torch.isfinite(progress).all()):  # one host sync per push, not per step
+            # async workers decide alone (no worker waits for another): raise on this worker (the
+            # others name it at their next push), or push no progress and take the global model
+            parts = progress.split([p.numel() for p in self.params])
+            names = [self.param_name(p) for p, t in zip(self.params, parts, strict=True) if not t.isfinite().all()]
+            self.handle_nonfinite(names, "progress", everywhere=False)
+            progress.zero_()
+            local = self._base.clone()
         if self._inflight is not None:  # the reply to the previous push: rebase onto it
             pulled = self._assemble(self._wait(self._inflight, "weights"))
             self._inflight = None

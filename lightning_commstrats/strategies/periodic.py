@@ -351,7 +351,10 @@ class PeriodicSyncStrategy(CommStrategy):
     def after_backward(self, optimizer: Optimizer) -> None:
         if (not self.started or self.fault_tolerance is not None) and self.world_size > 1:
             # warm start, or inside a fault-tolerant replica: fully synchronous data parallelism
-            self.all_reduce_fused([dense_grad(p) for p in trainable_params(optimizer)], tag="grad")
+            params = trainable_params(optimizer)
+            self.all_reduce_fused(
+                [dense_grad(p) for p in params], tag="grad", names=[self.param_name(p) for p in params]
+            )
 
     @override
     def on_step_counted(self, optimizer: Optimizer) -> None:

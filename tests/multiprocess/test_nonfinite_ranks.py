@@ -6,6 +6,8 @@ import torch
 from harness import WORKER, run_ranks
 from test_precision_ranks import equal
 
+from lightning_commstrats.comm import MPI4PY_AVAILABLE
+
 pytestmark = pytest.mark.multiprocess
 
 NONFINITE_WORKER = WORKER.parent / "nonfinite_worker.py"
@@ -95,3 +97,69 @@ def test_raise_policy_stops_every_rank_naming_the_parameter():
     for log in logs[1:]:  # both ranks raised, not only the one with the inf
         assert "FloatingPointError: OneBitSGDStrategy: the averaged gradients of layer.0.weight hold inf or NaN" in log
         assert f"at optimizer step {SKIP}" in log
+
+
+# A NaN in one rank's gradient at step SKIP, under every scheme with nonfinite="skip": every rank
+# skips the step (or discards the block it poisoned) and the ranks end finite and equal.
+STEPS = {"sync_period_unit": "steps"}
+EVERY_SCHEME = {
+    "allreduce": ("allreduce", {}),
+    "allreduce_two_level": ("allreduce", {"group_size": 1}),
+    "allreduce_two_level_4bit": ("allreduce", {"group_size": 1, "slow_hop_bits": 4}),
+    "onebit": ("onebit_sgd", {"small_tensor_numel": 64}),
+    "model_averaging": ("model_averaging", {"sync_period": 2, **STEPS}),
+    "bmuf_warm_start": ("bmuf", {"sync_period": 2, **STEPS, "parallelization_start": 6}),
+    "diloco_4bit": ("diloco", {"sync_period": 2, "pseudo_grad_bits": 4, "small_tensor_numel": 16}),
+    "streaming": ("streaming_diloco", {"sync_period": 4, "num_fragments": 2, "fragment_sync_delay": 1}),
+    "parameter_server": ("parameter_server", {"mode": "sync"}),
+}
+
+
+def _nan_scenario(strategy: str, kwargs: dict, policy: str) -> dict:
+    return {
+        "strategy": strategy,
+        "kwargs": {**kwargs, "nonfinite": policy},
+        "max_steps": 8,
+        "momentum": 0.0,
+        "inject_inf": [SKIP, 1, "nan"],
+        "state_trace": True,
+    }
+
+
+def test_every_scheme_skips_a_nan_on_every_rank():
+    scenarios = {name: _nan_scenario(s, kw, "skip") for name, (s, kw) in EVERY_SCHEME.items()}
+    results = run_ranks({"scenarios": scenarios}, 2)
+    for name in scenarios:
+        r0, r1 = (r[name] for r in results)
+        for k, v in r0["params"].items():
+            assert torch.isfinite(v).all(), (name, k)
+            assert torch.equal(v, r1["params"][k]), (name, k)
+        skipped = [[s["skipped"] for s in r["states"]] for r in (r0, r1)]
+        assert skipped[0] == skipped[1], (name, skipped)
+        if name not in ("model_averaging", "diloco_4bit", "streaming"):  # gradient exchanges skip the step
+            assert skipped[0] == [i == SKIP for i in range(8)], (name, skipped[0])
+
+
+@pytest.mark.parametrize("name", ["allreduce", "bmuf_warm_start"])
+def test_a_nan_raises_on_every_rank(name):
+    strategy, kwargs = EVERY_SCHEME[name]
+    with pytest.raises(RuntimeError, match="failed") as info:
+        run_ranks({"scenarios": {name: _nan_scenario(strategy, kwargs, "raise")}}, 2, timeout=120)
+    logs = str(info.value).split("--- log ")
+    assert len(logs) == 3
+    for log in logs[1:]:  # both ranks raised, not only the one with the NaN
+        assert "FloatingPointError" in log and "layer.0.weight hold inf or NaN" in log, log[-2000:]
+        assert f"at optimizer step {SKIP}" in log
+
+
+@pytest.mark.mpi
+@pytest.mark.mpi4py
+@pytest.mark.skipif(not MPI4PY_AVAILABLE, reason=str(MPI4PY_AVAILABLE))
+@pytest.mark.parametrize("bits", [32, 4])
+def test_local_sgd_over_mpi_skips_a_nan_on_every_rank(bits):
+    """local_sgd averaged a NaN in fp32 without a word, and dropped the 4-bit exchange's report."""
+    kwargs = {"sync_period": 2, "pseudo_grad_bits": bits, "small_tensor_numel": 16}
+    results = run_ranks({"scenarios": {"l": _nan_scenario("local_sgd", kwargs, "skip")}}, 2, launcher="mpiexec")
+    r0, r1 = (r["l"] for r in results)
+    for k, v in r0["params"].items():
+        assert torch.isfinite(v).all() and torch.equal(v, r1["params"][k]), k

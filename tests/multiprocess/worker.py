@@ -242,14 +242,15 @@ class Trace(L.Callback):
 
 
 class InjectInf(L.Callback):
-    """An inf in the first parameter's gradient on one rank at one optimizer step."""
+    """An inf (or ``value``: "nan") in the first parameter's gradient on one rank at one optimizer step."""
 
-    def __init__(self, step: int, rank: int) -> None:
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int, value: str = "inf") -> None:
+        self.step, self.rank, self.value = step, rank, float(value)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
+            param = next(p for p in pl_module.parameters() if p.grad is not None)
+            param.grad.view(-1)[0] = self.value
 
 
 class Perturb(L.Callback):
