@@ -27,12 +27,15 @@ residuals are its own.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -243,6 +246,7 @@ class PeriodicSyncStrategy(CommStrategy):
         self._stash: list[Tensor] | None = None  # local weights while validation uses the global model
         # (fragment, step its exchange started after, step its result was applied after), recent syncs
         self.sync_history: deque[tuple[int, int, int]] = deque(maxlen=1024)
+        self._schedule_checked = True  # until a Trainer's fit starts (warn_if_no_sync)
 
     # ------------------------------------------------------------------ components
 
@@ -376,6 +380,40 @@ class PeriodicSyncStrategy(CommStrategy):
             self._start()
         if self.fault_tolerance is not None:
             self._first_quorum()
+        self._schedule_checked = False
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if not self._schedule_checked:  # the first batch: its size tells what a sample schedule means in steps
+            self._schedule_checked = True
+            self.warn_if_no_sync(extract_batch_size(batch))
+
+    def warn_if_no_sync(self, batch_size: int) -> int | None:
+        """Warn (rank 0) when this fit ends before its first synchronisation: a schedule sized for a
+        long run (CNTK's 120,000 samples per worker of ``bmuf``) left on a short one averages the
+        models only at the end of fit. Returns the optimizer step of the first sync when it is past
+        the end (else None)."""
+        trainer = self.trainer
+        total = getattr(trainer, "estimated_stepping_batches", None) if trainer is not None else None
+        if not isinstance(total, (int, float)) or not math.isfinite(total) or total <= 0:
+            return None
+        per_step = 1
+        if self.sync_period_unit == "samples":
+            per_step = batch_size * getattr(trainer, "accumulate_grad_batches", 1)
+        first_turn = self.sync_period // self.num_fragments  # the first fragment's turn
+        start = self.parallelization_start if not self.started else self._progress()
+        first = self.optimizer_steps + math.ceil((start - self._progress() + first_turn) / max(per_step, 1))
+        if first <= total:
+            return None
+        hint = max(int(total) // 10, 1)
+        rank_zero_warn(
+            f"{type(self).__name__}: sync_period={self.sync_period} {self.sync_period_unit}"
+            f"{' per worker' if self.sync_period_unit == 'samples' else ''} puts the first synchronisation at"
+            f" optimizer step {first}, after this fit's {int(total)} steps: the models are averaged only at the"
+            f" end of fit. For this run pass, e.g., sync_period={hint}, sync_period_unit='steps'."
+        )
+        return first
 
     def _launch(self, fragment: int, background: bool) -> None:
         """Start averaging ``fragment``'s pseudo-gradient ``G = w_start - w_local``."""
