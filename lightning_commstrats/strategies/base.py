@@ -233,6 +233,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._comm: Communicator | None = None
+        self._host_comm: Communicator | None = None
         self.stop_agreement = StopAgreement()  # SIGTERM: every rank stops at the same batch
         super().__init__(
             accelerator=accelerator,
@@ -313,6 +314,15 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if self._comm is None:
             raise RuntimeError(f"{type(self).__name__} has no communicator before Trainer.fit/validate/test starts")
         return self._comm
+
+    @property
+    def host_comm(self) -> Communicator:
+        """A channel of the ranks that moves host memory, for the small control messages the host
+        decides on (sample counts): the communicator itself unless it is NCCL, else a gloo group
+        made once (every rank makes it at its first use, at the same batch)."""
+        if self._host_comm is None:
+            self._host_comm = self.comm.duplicate(host=True) if self.comm.backend == "nccl" else self.comm
+        return self._host_comm
 
     @property
     def comm_stats(self) -> CommStats:
@@ -449,9 +459,11 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if self.world_size > 1 and self.schedule_counts_samples():
             # Ranks can see different numbers of samples (uneven last batches, an IterableDataset,
             # a custom sampler); a schedule decided on local counts would make them issue different
-            # collectives. As CNTK does, they agree on the count: the mean over ranks (8 bytes each).
-            count = torch.tensor([size], dtype=torch.int64, device=self.root_device)
-            total = self.comm.all_reduce(count, tag="control")
+            # collectives. As CNTK does, they agree on the count: the mean over ranks (8 bytes each),
+            # counted on the host: on a channel of host memory (a gloo group beside NCCL), so no CUDA
+            # stream waits for it.
+            count = torch.tensor([size], dtype=torch.int64)
+            total = self.host_comm.all_reduce(count, tag="control")
             self._samples_total_all_ranks += int(total.item())
             self.samples_per_worker = self._samples_total_all_ranks // self.world_size
         else:

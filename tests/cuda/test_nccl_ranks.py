@@ -105,8 +105,12 @@ def test_streaming_exchange_in_the_background_never_issues_nccl_from_its_thread(
         "max_steps": 16,
         "kwargs": {**kwargs, "verify_sync_every": 1},
     }
-    results = run_ranks({"scenarios": {"s": scenario}}, world)
+    # a schedule in samples: the ranks agree on their sample counts over the host (gloo), not NCCL
+    samples = {"strategy": "model_averaging", "accelerator": "cuda", "devices": world, "kwargs": {"sync_period": 16}}
+    results = run_ranks({"scenarios": {"s": scenario, "samples": samples}}, world)
     for res in results:
+        assert "backend='gloo'" in res["samples"]["host_comm"], res["samples"]["host_comm"]
+        assert res["samples"]["stats"]["control/calls"] >= 8  # one count per batch (and the flag rounds)
         assert "backend='nccl'" in res["s"]["comm"], res["s"]["comm"]
         assert "backend='gloo'" in res["s"]["exchange_comm"], res["s"]["exchange_comm"]
         assert len(res["s"]["sync_history"]) >= 6  # both fragments synced in the background, then at the end

@@ -446,6 +446,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         result["comm"] = repr(trainer.strategy.comm)
         exchange = getattr(trainer.strategy, "_exchange", None)
         result["exchange_comm"] = repr(exchange.comm) if exchange is not None else None
+        host = getattr(trainer.strategy, "_host_comm", None)
+        result["host_comm"] = repr(host) if host is not None else None
         result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
     return trainer.global_rank, result
 
