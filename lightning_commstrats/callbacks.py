@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_commstrats.comm import CommSnapshot, CommStats, delta
@@ -31,13 +32,21 @@ class CommStatsMonitor(Callback):
     - ``comm/calls``: collectives issued;
     - ``comm/<tag>_bytes``: the bytes split by kind of traffic (``grad``, ``weights``...).
 
+    The summary and the saved figures are taken when fit has ended, after the strategy's own end of
+    fit (the periodic schemes' final sync), so they hold every byte of the run.
+
+    With a strategy that does not count its communication (Lightning's ``ddp``, ``fsdp``, a single
+    device...), bytes and seconds in collectives are not known: it warns once and measures what it
+    can itself, the optimizer steps and the wall time (``comm/wall_seconds`` per batch; the
+    summary gives seconds per step), so that a config runs unchanged against ``ddp`` for comparison.
+
     Args:
         summary_every_n_steps: also print a one-line summary of the cumulative figures every this
             many optimizer steps (``None``: never), like CNTK's ``syncPerfStats``.
-        summary_at_end: print the summary when training ends.
+        summary_at_end: print the summary when fit ends.
         prog_bar: show MB per batch in the progress bar.
         save_dir: when set, every rank writes its cumulative figures to
-            ``<save_dir>/comm_stats.rank<r>.json`` when training ends.
+            ``<save_dir>/comm_stats.rank<r>.json`` when fit ends.
     """
 
     def __init__(
@@ -55,31 +64,52 @@ class CommStatsMonitor(Callback):
         self.save_dir = save_dir
         self._start: CommSnapshot | None = None
         self._last_summary_step = 0
+        self._stats: CommStats | None = None  # the strategy's; None when it counts nothing (then the clock below)
+        self._warned = False
+        self._clock_start = 0.0
+        self._steps_start = 0
+        self._batch_start: float | None = None
 
     @staticmethod
-    def stats(trainer: pl.Trainer) -> CommStats:
+    def stats(trainer: pl.Trainer) -> CommStats | None:
+        """The strategy's communication statistics; ``None`` for a strategy that keeps none."""
         stats = getattr(trainer.strategy, "comm_stats", None)
-        if not isinstance(stats, CommStats):
-            raise ValueError(
-                f"CommStatsMonitor needs a lightning_commstrats strategy, got {type(trainer.strategy).__name__}"
-            )
-        return stats
+        return stats if isinstance(stats, CommStats) else None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.stats(trainer)
+        self._stats = self.stats(trainer)
+        if self._stats is None and stage == "fit" and not self._warned:
+            self._warned = True
+            rank_zero_warn(
+                f"CommStatsMonitor: {type(trainer.strategy).__name__} does not count its communication, so bytes"
+                " and seconds in collectives are not known; logging optimizer steps and wall time only."
+                " The strategies of lightning_commstrats count them ('allreduce' is the counterpart of 'ddp')."
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock_start = time.perf_counter()
+        if self._stats is None:  # a resumed fit starts at its checkpoint's step
+            self._steps_start = self._last_summary_step = trainer.global_step
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._start = self.stats(trainer).snapshot(wait=False)
+        if self._stats is None:
+            self._batch_start = time.perf_counter()
+        else:
+            self._start = self._stats.snapshot(wait=False)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stats = self.stats(trainer)
+        if self._stats is None:
+            self._own_batch_end(trainer, pl_module)
+            return
+        stats = self._stats
         if self._start is None:
             return
         d = delta(stats.snapshot(wait=False), self._start)
@@ -99,11 +129,36 @@ class CommStatsMonitor(Callback):
             self._last_summary_step = stats.steps
             rank_zero_info(format_summary(stats.snapshot()))
 
+    def _own_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A strategy that counts nothing: the batch's wall seconds, and the summary from the Trainer's steps."""
+        if self._batch_start is None:
+            return
+        seconds = time.perf_counter() - self._batch_start
+        pl_module.log("comm/wall_seconds", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
+        n = self.summary_every_n_steps
+        if n is not None and trainer.global_step - self._last_summary_step >= n:
+            self._last_summary_step = trainer.global_step
+            rank_zero_info(format_steps_summary(type(trainer.strategy).__name__, **self._own_figures(trainer)))
+
+    def _own_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        return {
+            "steps": trainer.global_step - self._steps_start,
+            "wall_seconds": time.perf_counter() - self._clock_start,
+        }
+
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        snapshot = self.stats(trainer).snapshot()
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not on_train_end: the Trainer calls the callbacks' on_train_end before the strategy's, which
+        # is where the periodic schemes sync the last time.
+        if self._stats is None:
+            figures = self._own_figures(trainer)
+            summary = format_steps_summary(type(trainer.strategy).__name__, **figures)
+        else:
+            snapshot = self._stats.snapshot()
+            figures = snapshot.as_dict()
+            summary = format_summary(snapshot)
         if self.summary_at_end:
-            rank_zero_info(format_summary(snapshot))
+            rank_zero_info(summary)
         if self.save_dir is not None:
             out = Path(self.save_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +166,7 @@ class CommStatsMonitor(Callback):
                 "rank": trainer.global_rank,
                 "world_size": trainer.world_size,
                 "strategy": type(trainer.strategy).__name__,
-                **snapshot.as_dict(),
+                **figures,
             }
             (out / f"comm_stats.rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
 
@@ -125,3 +180,9 @@ def format_summary(s: CommSnapshot) -> str:
         f" in {s.calls} calls; comm {s.comm_seconds:.2f}s, compute {s.compute_seconds:.2f}s"
         f" ({100 * share:.0f}% of wall time in communication)" + (f"; by kind: {tags}" if tags else "")
     )
+
+
+def format_steps_summary(strategy: str, steps: int, wall_seconds: float) -> str:
+    """One line for a strategy that does not count its communication: steps and wall time only."""
+    per_step = f" ({wall_seconds / steps:.4f} s/step)" if steps else ""
+    return f"[comm] steps {steps}: wall {wall_seconds:.2f}s{per_step}; bytes not known ({strategy} does not count them)"

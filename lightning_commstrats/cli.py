@@ -18,7 +18,9 @@ the package). Every strategy of the package is available by name.
 --config takes a file or the name of a config shipped with the package (listed
 under --config below); an existing file of that name wins. fit --help lists
 every argument with its documentation. After fit, validate and test it prints
-the perplexity next to the unigram baseline's; add CommStatsMonitor
+the perplexity next to the unigram baseline's (after fit, the perplexity of the
+model the run ends with: when that changed after the last validation, a
+periodic scheme's end-of-fit sync for one, it is validated once more); add CommStatsMonitor
 (lightning_commstrats.CommStatsMonitor) to the callbacks for communication
 figures. With LayeredMixedPrecision among the plugins it prints the preset and
 the steps skipped for overflow.
@@ -35,19 +37,24 @@ from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch
+import torch
 from jsonargparse import ActionConfigFile, DefaultHelpFormatter
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 import lightning_commstrats  # noqa: F401 - registers the strategy names
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.precision import LayeredMixedPrecision
+from lightning_commstrats.strategies.periodic import fingerprint
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # A --config value that could name a file; anything else (inline YAML, a URL) goes to jsonargparse as it is.
@@ -137,6 +144,34 @@ class SaveConfigToRunFolder(SaveConfigCallback):
             super().setup(trainer, pl_module, stage)
 
 
+class LastValidation(Callback):
+    """Remembers the model the fit's last validation saw: the step, and a checksum of its weights and
+    buffers taken while validation still holds them (the periodic schemes validate their global model)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.checksum: torch.Tensor | None = None
+
+    @staticmethod
+    def model_checksum(module: LightningModule) -> torch.Tensor:
+        return fingerprint([*module.parameters(), *module.buffers()])
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.step = trainer.global_step
+            self.checksum = self.model_checksum(pl_module)
+
+    def outdated(self, trainer: Trainer, module: LightningModule) -> bool:
+        """Whether the fit validated, and its model has changed since (steps after the last validation,
+        or a strategy's end of fit: the periodic schemes' final sync). Rank 0 decides for all, so
+        that the ranks cannot split between validating again and not."""
+        if self.step is None or self.checksum is None:
+            return False
+        changed = self.step != trainer.global_step or not torch.equal(self.checksum, self.model_checksum(module))
+        return bool(trainer.strategy.broadcast(changed, 0))
+
+
 def check_model_and_data(arch: str, mode: str, num_experts: int) -> None:
     """Refuse model and data settings that do not go together, before anything is built."""
     if arch == "ffn" and mode != "ngram":
@@ -175,12 +210,25 @@ class LMCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_model_and_data(cfg.model.arch, cfg.data.mode, cfg.model.num_experts)
 
+    def before_fit(self) -> None:
+        self._last_validation = LastValidation()
+        self.trainer.callbacks.append(self._last_validation)
+
     def after_fit(self) -> None:
-        self._report("val/ppl", "valid")
         plugin = self.trainer.precision_plugin
         if isinstance(plugin, LayeredMixedPrecision):
             skipped = plugin.scaler.skipped_steps if plugin.scaler else 0
             rank_zero_info(f"[precision] {plugin}: {skipped} steps skipped for overflow")
+        # The perplexity printed is the model the run ends with.
+        if self._last_validation.outdated(self.trainer, self.model):
+            fit_metrics = dict(self.trainer.callback_metrics)
+            with warnings.catch_warnings():
+                # it shards the data as the fit's validations did, on purpose: the same set is measured
+                warnings.filterwarnings("ignore", "Using `DistributedSampler` with the dataloaders")
+                self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            for key, value in fit_metrics.items():  # the fit's other figures (train/loss...) stay readable
+                self.trainer.callback_metrics.setdefault(key, value)
+        self._report("val/ppl", "valid")
 
     def after_validate(self) -> None:
         self._report("val/ppl", "valid")
@@ -196,8 +244,14 @@ class LMCLI(LightningCLI):
         unigram = self.datamodule.unigram_perplexity(split)
         rank_zero_info(
             f"[lm] {split} perplexity {ppl:.2f}; unigram baseline {unigram:.2f}"
-            f" ({100 * (1 - ppl / unigram):.1f}% below it), vocabulary {self.datamodule.vocab_size}"
+            f" ({compare_to_baseline(ppl, unigram)}), vocabulary {self.datamodule.vocab_size}"
         )
+
+
+def compare_to_baseline(ppl: float, baseline: float) -> str:
+    """``"12.3% below it"`` or, for a model worse than the baseline, ``"45.6% above it"``."""
+    share = 100 * (ppl / baseline - 1)
+    return f"{abs(share):.1f}% below it" if share <= 0 else f"{share:.1f}% above it"
 
 
 def main(args: list[str] | None = None) -> LMCLI:

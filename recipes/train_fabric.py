@@ -8,7 +8,9 @@
 The loop is the one a Fabric user writes; the scheme does its exchange inside ``optimizer.step()``.
 Validation runs on the model every rank agrees on (``fabric.strategy.global_model()``: the global
 weights of the periodic schemes), and ``fabric.strategy.finish()`` ends the run as the Trainer ends a
-fit. The communication figures come from ``fabric.strategy.comm_stats``, as with the Trainer.
+fit. The communication figures come from ``fabric.strategy.comm_stats``, as with the Trainer. Both
+final figures are taken after ``finish()``: a periodic scheme's last sync happens there, so the bytes
+include it and the last perplexity is that of the model the run ends with.
 """
 
 from __future__ import annotations
@@ -83,13 +85,15 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            if step % args.val_every == 0 or step == args.max_steps:
-                val_loss = validate(fabric, model, val, args.val_batches)
-                fabric.print(f"step {step}: train loss {loss.item():.3f}, val ppl {math.exp(val_loss):.1f}")
             if step == args.max_steps:
                 break
+            if step % args.val_every == 0:
+                val_loss = validate(fabric, model, val, args.val_batches)
+                fabric.print(f"step {step}: train loss {loss.item():.3f}, val ppl {math.exp(val_loss):.1f}")
     fabric.strategy.finish()
     fabric.print(f"{fabric.strategy!r}, {fabric.world_size} ranks: {fabric.strategy.comm_stats!r}")
+    val_loss = validate(fabric, model, val, args.val_batches)
+    fabric.print(f"step {step} (the final model): train loss {loss.item():.3f}, val ppl {math.exp(val_loss):.1f}")
 
 
 if __name__ == "__main__":

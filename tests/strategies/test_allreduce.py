@@ -67,9 +67,7 @@ def test_monitor_logs_to_logger_and_prints_summary(tmp_path, caplog):
     assert "[comm] steps 3" in caplog.text
 
 
-def test_monitor_refuses_foreign_strategies():
-    with pytest.raises(ValueError, match="CommStatsMonitor needs a lightning_commstrats strategy"):
-        _trainer(strategy="auto", callbacks=[CommStatsMonitor()]).fit(BoringModel())
+def test_monitor_refuses_a_bad_summary_period():
     with pytest.raises(ValueError, match="summary_every_n_steps"):
         CommStatsMonitor(summary_every_n_steps=0)
 

@@ -1,0 +1,80 @@
+"""CommStatsMonitor: its end-of-fit figures, and a strategy that does not count its communication."""
+
+import csv
+import json
+import logging
+import time
+import warnings
+
+import lightning as L
+import pytest
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_commstrats import AllReduceStrategy, CommStatsMonitor
+
+
+def _trainer(**kwargs):
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+class SendsAtTheEnd(AllReduceStrategy):
+    """One rank, so nothing really travels: its end of fit charges one collective of 1234 bytes, as a
+    periodic scheme's final sync would, after the callbacks' ``on_train_end``."""
+
+    def on_train_end(self) -> None:
+        self.comm_stats.record("weights", 1234, 0.0)
+        super().on_train_end()
+
+
+def test_summary_and_saved_figures_hold_what_the_strategy_sends_when_fit_ends(tmp_path, caplog):
+    monitor = CommStatsMonitor(save_dir=str(tmp_path))
+    trainer = _trainer(strategy=SendsAtTheEnd(), callbacks=[monitor])
+    with caplog.at_level(logging.INFO):
+        trainer.fit(BoringModel())
+    stats = trainer.strategy.comm_stats
+    assert (stats.bytes_sent, stats.calls, stats.steps) == (1234, 1, 3)
+    assert "[comm] steps 3: sent 0.001 MB (0.0004 MB/step) in 1 calls" in caplog.text
+    assert "by kind: weights 0.001 MB" in caplog.text
+    saved = json.loads((tmp_path / "comm_stats.rank0.json").read_text())
+    assert (saved["bytes_sent"], saved["calls"], saved["weights/bytes_sent"]) == (1234, 1, 1234)
+
+
+def test_a_strategy_that_counts_nothing_gets_steps_and_wall_time_and_one_warning(tmp_path, caplog):
+    monitor = CommStatsMonitor(summary_every_n_steps=2, save_dir=str(tmp_path / "stats"))
+    trainer = _trainer(strategy="auto", logger=CSVLogger(tmp_path), log_every_n_steps=1, callbacks=[monitor])
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        start = time.perf_counter()
+        trainer.fit(BoringModel())
+        wall = time.perf_counter() - start
+        saved = json.loads((tmp_path / "stats" / "comm_stats.rank0.json").read_text())
+        trainer.validate(BoringModel(), verbose=False)
+        _trainer(strategy="auto", callbacks=[monitor]).fit(BoringModel())  # the same monitor: it has said it
+    messages = [str(w.message) for w in caught if "does not count its communication" in str(w.message)]
+    assert messages == [
+        "CommStatsMonitor: SingleDeviceStrategy does not count its communication, so bytes and seconds in"
+        " collectives are not known; logging optimizer steps and wall time only. The strategies of"
+        " lightning_commstrats count them ('allreduce' is the counterpart of 'ddp')."
+    ]
+    assert "[comm] steps 2: wall " in caplog.text
+
+    # what it measured itself: the steps, the wall time of the fit and of each batch
+    assert saved["strategy"] == "SingleDeviceStrategy" and saved["steps"] == 3 and "bytes_sent" not in saved
+    assert 0 < saved["wall_seconds"] <= wall
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    per_batch = [float(r["comm/wall_seconds"]) for r in rows if r.get("comm/wall_seconds")]
+    assert len(per_batch) == 3 and all(s > 0 for s in per_batch) and sum(per_batch) <= saved["wall_seconds"]
+    summary = next(line for line in caplog.text.splitlines() if "[comm] steps 3: " in line)
+    assert summary.endswith("; bytes not known (SingleDeviceStrategy does not count them)")
+    seconds = float(summary.split(" wall ")[1].split("s ")[0])
+    assert seconds == pytest.approx(saved["wall_seconds"], abs=0.01)
