@@ -1,7 +1,11 @@
-"""Registration of the package's strategy names with Lightning's ``StrategyRegistry``."""
+"""Registration of the package's strategy names with Lightning's ``StrategyRegistry``, and the
+error for a name that nothing registered (with the nearest names, where the package sees the value:
+the recipes, :class:`~lightning_commstrats.FabricStrategy`, the CLI)."""
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -35,3 +39,71 @@ def register_strategies(registry: Any = None) -> list[str]:
         cls.register_strategies(registry)
         added.append(name)
     return added
+
+
+def package_strategy_names() -> list[str]:
+    """The registry names of the package's strategies, in the order of ``STRATEGIES``."""
+    from lightning_commstrats.strategies import STRATEGIES
+
+    return [cls.strategy_name for cls in STRATEGIES]
+
+
+def strategy_class_path(name: str) -> str | None:
+    """``"lightning_commstrats.DiLoCoStrategy"`` for the package's name ``"diloco"``; None for any other."""
+    from lightning_commstrats.strategies import STRATEGIES
+
+    return next((f"lightning_commstrats.{cls.__name__}" for cls in STRATEGIES if cls.strategy_name == name), None)
+
+
+def _trainer_names() -> list[str]:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return ["auto", *StrategyRegistry]
+
+
+def is_registered_strategy(value: str, names: Iterable[str] | None = None) -> bool:
+    """Whether ``value`` is a strategy name the Trainer takes (``"auto"`` or a registered name; the
+    Trainer lowercases the value), or one of ``names``."""
+    return value.lower() in {name.lower() for name in (_trainer_names() if names is None else names)}
+
+
+def nearest_strategy_names(value: str, names: Iterable[str] | None = None, n: int = 3) -> list[str]:
+    """Up to ``n`` of ``names`` (default: every name the Trainer takes) closest to ``value``, the
+    closest first: those within 0.1 of the best :class:`difflib.SequenceMatcher` ratio, and at least
+    0.6. The package's class names and paths stand for their names, so that ``DiLoCoStrategy`` or a
+    misspelled ``lightning_commstrats.DiLoCoStrategy`` finds ``diloco``."""
+    from lightning_commstrats.strategies import STRATEGIES
+
+    names = list(_trainer_names() if names is None else names)
+    candidates = {name.lower(): name for name in names}
+    for cls in STRATEGIES:
+        if cls.strategy_name in names:
+            candidates.setdefault(cls.__name__.lower(), cls.strategy_name)
+            candidates.setdefault(f"lightning_commstrats.{cls.__name__}".lower(), cls.strategy_name)
+            candidates.setdefault(f"{cls.__module__}.{cls.__name__}".lower(), cls.strategy_name)
+    score: dict[str, float] = {}
+    for key, shown in candidates.items():
+        ratio = difflib.SequenceMatcher(None, value.lower(), key).ratio()
+        score[shown] = max(score.get(shown, 0.0), ratio)
+    best = max(score.values(), default=0.0)
+    close = [name for name in score if score[name] >= max(0.6, best - 0.1)]
+    return sorted(close, key=lambda name: -score[name])[:n]
+
+
+def unknown_strategy_message(argument: str, value: str, names: Iterable[str] | None = None) -> str:
+    """The error for ``argument=value`` when ``value`` names no strategy: the nearest names (among
+    every name the Trainer takes, the package's and Lightning's, or among ``names`` when given) and
+    the package's names.
+
+    Example: ``--trainer.strategy='dilocco' is not a registered strategy name; did you mean 'diloco'?
+    lightning_commstrats registers allreduce, onebit_sgd, ...``
+    """
+    close = nearest_strategy_names(value, names)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    ours = ", ".join(package_strategy_names())
+    if names is not None:
+        return f"{argument}={value!r} is not a lightning_commstrats strategy; {hint}choose one of {ours}"
+    return (
+        f"{argument}={value!r} is not a registered strategy name; {hint}lightning_commstrats registers {ours};"
+        " Lightning's own names (ddp, fsdp, deepspeed...) work too"
+    )

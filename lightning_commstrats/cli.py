@@ -7,6 +7,7 @@ the package). Every strategy of the package is available by name.
 
   commstrats-lm fit --config lstm_demo
   commstrats-lm fit --config lstm_demo --trainer.strategy=bmuf --trainer.devices=4
+  commstrats-lm fit --config lstm_demo --trainer.strategy=diloco --trainer.strategy.pseudo_grad_bits=4
   commstrats-lm test --config lstm_demo --ckpt_path <checkpoint>
   mpiexec -n 2 commstrats-lm fit --config lstm_tiny --trainer.devices=2
   commstrats-lm fit --config moe_demo --trainer.strategy.init_args.inner=ep
@@ -25,6 +26,13 @@ periodic scheme's end-of-fit sync for one, it is validated once more); add CommS
 figures. With LayeredMixedPrecision among the plugins it prints the preset and
 the steps skipped for overflow.
 
+--trainer.strategy takes a registered name (the package's: allreduce,
+onebit_sgd, bmuf, diloco... or Lightning's) or a class path. Settings follow
+as --trainer.strategy.<setting>, after a name too: a package name followed by
+settings stands for its class path (diloco: lightning_commstrats.DiLoCoStrategy),
+and --trainer.strategy.help diloco lists its settings. A name nothing registered
+is refused with the nearest registered names.
+
 Mixture of experts: --model.num_experts experts in every --model.moe_every-th
 Transformer block (--model.top_k, --model.capacity_factor, --model.balance:
 aux, capacity, swipe or bias, with --model.bias_update_rate), trained with the
@@ -35,7 +43,10 @@ CommStatsMonitor adds comm/tokens_bytes, the all-to-all payload.
 
 from __future__ import annotations
 
+import importlib
+import json
 import re
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -43,7 +54,8 @@ from typing import Any
 
 import lightning.pytorch
 import torch
-from jsonargparse import ActionConfigFile, DefaultHelpFormatter
+import yaml
+from jsonargparse import ActionConfigFile, DefaultHelpFormatter, Namespace
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
@@ -51,6 +63,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning_commstrats  # noqa: F401 - registers the strategy names
+from lightning_commstrats._registry import is_registered_strategy, strategy_class_path, unknown_strategy_message
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.precision import LayeredMixedPrecision
@@ -92,6 +105,101 @@ class ConfigFileOrName(ActionConfigFile):
             # jsonargparse reports a TypeError from a config action as a usage error (exit code 2)
             raise TypeError(f"{option_string}: {err}") from None
         super().__call__(parser, cfg, values, option_string)
+
+
+STRATEGY = "--trainer.strategy"
+_CONFIG = ("-c", "--config")
+
+
+def _config_strategy(value: str) -> Any:
+    """The ``trainer.strategy`` a ``--config`` value sets, or None (none set, or not readable here:
+    jsonargparse reports that)."""
+    try:
+        path = Path(resolve_config(value))
+        config = yaml.safe_load(path.read_text() if path.is_file() else value)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    # a config given before the subcommand holds the subcommand's settings under its name
+    scopes = [config, *config.values()] if isinstance(config, dict) else []
+    for scope in scopes:
+        trainer = scope.get("trainer") if isinstance(scope, dict) else None
+        if isinstance(trainer, dict) and "strategy" in trainer:
+            return trainer["strategy"]
+    return None
+
+
+def _is_class_path(value: str) -> bool:
+    module, _, name = value.rpartition(".")
+    try:
+        return isinstance(getattr(importlib.import_module(module), name, None), type)
+    except (ImportError, ValueError):
+        return False
+
+
+def strategy_names_as_class_paths(args: list[str]) -> list[str]:
+    """``args`` with the strategy given as jsonargparse needs it to take settings.
+
+    jsonargparse takes ``--trainer.strategy.<setting>`` only after a class path: after a name
+    (``--trainer.strategy=diloco``, or ``strategy: diloco`` in a ``--config``) it refuses the
+    setting ("Expected a dot import path string: diloco"). A package name that a setting follows
+    becomes its class path, ``lightning_commstrats.DiLoCoStrategy`` (inserted before the setting
+    when the name came from a config), and ``--trainer.strategy.help diloco`` asks for that class's
+    help. A name with no setting after it stays a name, as the Trainer takes it. A class path with
+    no setting after it, which jsonargparse would pass on as a string the Trainer refuses, is given
+    as ``{"class_path": ...}``.
+
+    Raises:
+        ValueError: settings follow a name that is not the package's (the message names the nearest
+            registered names, or says to give a class path).
+    """
+    out = list(args)
+    name: str | None = None  # the strategy given last, while no setting has followed it
+    where: int | None = None  # its value's index in ``out``; None when a config gave it
+
+    def as_class(value: str) -> str:
+        return json.dumps({"class_path": value}) if _is_class_path(value) else value
+
+    def settle() -> None:  # the strategy given last had no setting after it
+        if name is not None and where is not None:
+            prefix = f"{STRATEGY}=" if out[where].startswith(f"{STRATEGY}=") else ""
+            out[where] = prefix + as_class(name)
+
+    i = 0
+    while i < len(out):
+        key, eq, value = out[i].partition("=")
+        has_next = not eq and i + 1 < len(out)
+        if key == STRATEGY or (key in _CONFIG and (eq or has_next)):
+            given = value if eq else (out[i + 1] if has_next else "")
+            strategy = given if key == STRATEGY else _config_strategy(given)
+            if key == STRATEGY or strategy is not None:
+                settle()
+                name = strategy if isinstance(strategy, str) else None
+                where = (i if eq else i + 1) if key == STRATEGY and name else None
+            i += 1 if eq else 2
+            continue
+        if key == f"{STRATEGY}.help" and (eq or has_next):
+            j = i if eq else i + 1
+            path = strategy_class_path(value if eq else out[j])
+            if path is not None:
+                out[j] = f"{key}={path}" if eq else path
+        elif key.startswith(f"{STRATEGY}.") and name is not None:
+            path = strategy_class_path(name)
+            if path is None and "." not in name:
+                if not is_registered_strategy(name):
+                    raise ValueError(unknown_strategy_message(STRATEGY, name))
+                raise ValueError(
+                    f"{key} follows {STRATEGY}={name!r}, which is not a lightning_commstrats strategy: give its"
+                    f" class path before the settings ({STRATEGY}=<class path> {key}=...)"
+                )
+            if path is not None and where is None:
+                out.insert(i, f"{STRATEGY}={path}")
+                i += 1
+            elif path is not None:
+                out[where] = f"{STRATEGY}={path}" if out[where].startswith(f"{STRATEGY}=") else path
+            name = where = None
+        i += 1
+    settle()
+    return out
 
 
 def _plain(text: str) -> str:
@@ -207,6 +315,26 @@ class LMCLI(LightningCLI):
             + ". Given several times, later ones override earlier ones.",
         )
         return parser
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # A package name takes settings after it (strategy_names_as_class_paths); a name nothing
+        # registered is a usage error naming the nearest names, not Lightning's generic list.
+        if isinstance(args, (dict, Namespace)):
+            super().parse_arguments(parser, args)
+        else:
+            given = sys.argv[1:] if args is None else list(args)
+            try:
+                argv = strategy_names_as_class_paths(given)
+            except ValueError as err:
+                parser.error(str(err))
+            if args is None:  # the command line itself, as Lightning parses it
+                self.config = parser.parse_args(argv)
+            else:
+                super().parse_arguments(parser, argv)
+        subcommand = self.config.get("subcommand")
+        strategy = self.config.get(f"{subcommand}.trainer.strategy" if subcommand else "trainer.strategy")
+        if isinstance(strategy, str) and not is_registered_strategy(strategy):
+            parser.error(unknown_strategy_message(STRATEGY, strategy))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")

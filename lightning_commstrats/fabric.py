@@ -58,7 +58,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats._registry import _qualname
+from lightning_commstrats._registry import _qualname, unknown_strategy_message
 from lightning_commstrats.comm import CommStats, Communicator
 from lightning_commstrats.strategies.base import STATE_KEY, CommStrategy, RankDevices
 
@@ -397,7 +397,7 @@ def scheme_class(name: str) -> type[CommStrategy]:
 
     classes = {cls.strategy_name: cls for cls in STRATEGIES}
     if name not in classes:
-        raise ValueError(f"scheme={name!r} is not a lightning_commstrats strategy; choose one of {sorted(classes)}")
+        raise ValueError(unknown_strategy_message("scheme", name, classes))
     return classes[name]
 
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_commstrats
 from lightning_commstrats import CommStatsMonitor
+from lightning_commstrats._registry import is_registered_strategy, unknown_strategy_message
 from lightning_commstrats.comm import wire
 
 
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
+    if not is_registered_strategy(args.strategy):
+        parser.error(unknown_strategy_message("--strategy", args.strategy))
 
     L.seed_everything(0)
     model = Regressor()

@@ -23,6 +23,7 @@ import lightning as L
 import torch
 
 from lightning_commstrats import FabricStrategy
+from lightning_commstrats._registry import package_strategy_names, unknown_strategy_message
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.models.module import lm_loss
@@ -43,7 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.strategy not in package_strategy_names():
+        parser.error(unknown_strategy_message("--strategy", args.strategy, package_strategy_names()))
+    return args
 
 
 def validate(fabric: L.Fabric, model: torch.nn.Module, loader: torch.utils.data.DataLoader, batches: int) -> float:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_commstrats.cli import CONFIG_DIR, main, packaged_configs, resolve_config
+from lightning_commstrats import DiLoCoStrategy
+from lightning_commstrats.cli import CONFIG_DIR, main, packaged_configs, resolve_config, strategy_names_as_class_paths
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +68,73 @@ def test_an_unknown_name_is_a_usage_error_that_lists_the_packaged_names(value, c
     err = capsys.readouterr().err
     assert f"no file {value!r}" in err
     assert all(name in err for name in packaged_configs())
+
+
+DILOCO = "lightning_commstrats.DiLoCoStrategy"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--trainer.strategy=diloco", "--trainer.strategy.pseudo_grad_bits=4"], [f"--trainer.strategy={DILOCO}"]),
+        (
+            ["--trainer.strategy", "diloco", "--trainer.strategy.init_args.sync_period", "7"],
+            ["--trainer.strategy", DILOCO],
+        ),
+        # the name in a config (lstm_tiny: allreduce) is given as its class path before the setting
+        (
+            ["--config", "lstm_tiny", "--trainer.strategy.bucket_cap_mb=5"],
+            ["--config", "lstm_tiny", "--trainer.strategy=lightning_commstrats.AllReduceStrategy"],
+        ),
+        # settings belong to the strategy given last
+        (
+            ["--trainer.strategy=bmuf", "--trainer.strategy=diloco", "--trainer.strategy.outer_lr=0.5"],
+            ["--trainer.strategy=bmuf", f"--trainer.strategy={DILOCO}"],
+        ),
+        (["--trainer.strategy=diloco"], ["--trainer.strategy=diloco"]),  # no setting: a name, as the Trainer takes it
+        (["--trainer.strategy.help", "diloco"], ["--trainer.strategy.help", DILOCO]),
+        # a class path alone would reach the Trainer as a string
+        ([f"--trainer.strategy={DILOCO}"], [f'--trainer.strategy={{"class_path": "{DILOCO}"}}']),
+    ],
+    ids=["equals", "space", "config", "last", "alone", "help", "class-path"],
+)
+def test_a_package_name_followed_by_settings_becomes_its_class_path(args, expected):
+    out = strategy_names_as_class_paths(["fit", *args])
+    assert out[: len(expected) + 1] == ["fit", *expected]
+    assert [a for a in out if a.startswith("--trainer.strategy.") and ".help" not in a] == [
+        a for a in args if a.startswith("--trainer.strategy.") and ".help" not in a
+    ]
+
+
+def test_settings_after_a_name_print_and_train(capsys):
+    args = ["--config", "lstm_tiny", "--trainer.strategy=diloco", "--trainer.strategy.pseudo_grad_bits=4"]
+    strategy = _print_config(capsys, *args)["trainer"]["strategy"]
+    assert strategy["class_path"] == DILOCO and strategy["init_args"]["pseudo_grad_bits"] == 4
+    cli = main(["fit", *args, "--trainer.strategy.sync_period=3", "--trainer.max_steps=3"])
+    assert isinstance(cli.trainer.strategy, DiLoCoStrategy)
+    assert cli.trainer.strategy.pseudo_grad_bits == 4 and cli.trainer.strategy.sync_period == 3
+    assert cli.trainer.global_step == 3
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--trainer.strategy=dilocco"], ["--trainer.strategy=dilocco", "--trainer.strategy.pseudo_grad_bits=4"]],
+    ids=["alone", "with-settings"],
+)
+def test_a_misspelled_strategy_is_a_usage_error_with_the_nearest_names(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "lstm_tiny", *args])
+    assert exit_info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--trainer.strategy='dilocco' is not a registered strategy name; did you mean 'diloco'?" in err
+    assert "lightning_commstrats registers allreduce, onebit_sgd, model_averaging, bmuf" in err
+
+
+def test_settings_after_another_package_s_name_say_what_to_type():
+    with pytest.raises(ValueError, match=r"give its class path before the settings \(--trainer.strategy=<class path>"):
+        strategy_names_as_class_paths(
+            ["fit", "--trainer.strategy=ddp", "--trainer.strategy.find_unused_parameters=true"]
+        )
 
 
 def _help(capsys, *args: str) -> str:

@@ -36,8 +36,13 @@ def test_instances_and_settings():
 
 
 def test_bad_input_is_named_at_construction():
-    with pytest.raises(ValueError, match=r"scheme='bmfu' is not a lightning_commstrats strategy; choose one of"):
+    with pytest.raises(
+        ValueError,
+        match=r"scheme='bmfu' is not a lightning_commstrats strategy; did you mean 'bmuf'\? choose one of allreduce, ",
+    ):
         FabricStrategy("bmfu")
+    with pytest.raises(ValueError, match=r"scheme='ddp' is not a lightning_commstrats strategy; choose one of"):
+        FabricStrategy("ddp")  # Lightning's name: not a scheme, so not suggested either
     with pytest.raises(TypeError, match=r"settings \['sync_period'\] go to the scheme's constructor"):
         FabricStrategy(BMUFStrategy(sync_period=3), sync_period=4)
     with pytest.raises(TypeError, match="scheme must be a strategy name or an instance"):

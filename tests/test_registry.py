@@ -7,7 +7,14 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_commstrats
-from lightning_commstrats import AllReduceStrategy, register_strategies
+from lightning_commstrats import STRATEGIES, AllReduceStrategy, register_strategies
+from lightning_commstrats._registry import (
+    is_registered_strategy,
+    nearest_strategy_names,
+    package_strategy_names,
+    strategy_class_path,
+    unknown_strategy_message,
+)
 
 
 def test_import_registers_names_once():
@@ -42,3 +49,35 @@ def test_fresh_registry_gets_every_name():
     registry = _StrategyRegistry()
     names = register_strategies(registry)
     assert "allreduce" in names and set(names) == set(registry)
+
+
+@pytest.mark.parametrize(
+    ("value", "nearest"),
+    [
+        ("dilocco", ["diloco"]),
+        ("streaming-diloco", ["streaming_diloco"]),
+        ("onebit", ["onebit_sgd"]),
+        ("dpp", ["ddp"]),  # Lightning's names count
+        ("DiLoCoStrategy", ["diloco"]),  # a class name stands for its registered name
+        ("lightning_commstrats.DiLoCoStrateg", ["diloco"]),
+        ("xyzzy", []),
+    ],
+)
+def test_the_nearest_registered_names(value, nearest):
+    assert nearest_strategy_names(value) == nearest
+
+
+def test_the_message_names_the_argument_the_nearest_and_the_package_names():
+    message = unknown_strategy_message("--trainer.strategy", "dilocco")
+    assert message.startswith("--trainer.strategy='dilocco' is not a registered strategy name; did you mean 'diloco'?")
+    assert "lightning_commstrats registers " + ", ".join(cls.strategy_name for cls in STRATEGIES) in message
+    assert "did you mean" not in unknown_strategy_message("--strategy", "xyzzy")
+    # only among the names given: Lightning's ddp is no FabricStrategy scheme
+    assert "did you mean" not in unknown_strategy_message("scheme", "dpp", package_strategy_names())
+
+
+def test_registered_names_as_the_trainer_takes_them():
+    assert all(is_registered_strategy(name) for name in ("auto", "ddp", "diloco", "DiLoCo"))  # the Trainer lowercases
+    assert not is_registered_strategy("dilocco")
+    assert strategy_class_path("diloco") == "lightning_commstrats.DiLoCoStrategy"
+    assert strategy_class_path("ddp") is None
