@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.precision.policy import (
     DTYPES,
     HALF,
@@ -163,7 +164,7 @@ class LayeredMixedPrecision(Precision):
         if dtypes is not None:
             apply_policy(module, dtypes)
             halves = sum(d != "fp32" for d in dtypes.values())
-            log.info("%s: %d of %d modules compute in half", self, halves, len(dtypes))
+            log_rank_zero(log, logging.INFO, "%s: %d of %d modules compute in half", self, halves, len(dtypes))
         self._converted = module
         return module
 
@@ -207,7 +208,12 @@ class LayeredMixedPrecision(Precision):
         overflow = _any_rank(unscale_(grads, self._backward_scale or self.scaler.scale), strategy)
         self.scaler.update(overflow)
         if overflow:
-            log.info("overflow in the gradients: step skipped on every rank, loss scale now %g", self.scaler.scale)
+            log_rank_zero(
+                log,
+                logging.INFO,
+                "overflow in the gradients: step skipped on every rank, loss scale now %g",
+                self.scaler.scale,
+            )
         self._checked = not overflow
         return self._checked
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.outer import (
     BlockMomentum,
     OuterFactory,
@@ -151,7 +152,9 @@ class BMUFStrategy(PeriodicSyncStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        log.info(
+        log_rank_zero(
+            log,
+            logging.INFO,
             "BMUF: block momentum %.4f (time constant %.0f %s), block learning rate %g, Nesterov %s",
             self.block_momentum,
             self.time_constant,
@@ -173,7 +176,9 @@ class BMUFStrategy(PeriodicSyncStrategy):
             return
         needed = self.time_constant * self.world_size
         if math.isfinite(needed) and n_samples < needed:
-            log.warning(
+            log_rank_zero(
+                log,
+                logging.WARNING,
                 "BMUF: the training set has %d samples, fewer than CNTK's rule of thumb time_constant x workers"
                 " = %.0f x %d = %.0f; consider a smaller block_momentum or sync_period",
                 n_samples,

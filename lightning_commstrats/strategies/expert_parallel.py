@@ -10,6 +10,7 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import BucketedAllReduce, GradientCompression
 from lightning_commstrats.moe.layer import MoELayer
@@ -283,7 +284,9 @@ class ExpertParallelStrategy(AllReduceStrategy):
         if rank_state is None:
             return
         if list(rank_state["layout"]) != [self.dp_size, self.ep_size, self.inner]:
-            log.warning(
+            log_rank_zero(
+                log,
+                logging.WARNING,
                 "expert_parallel: the checkpoint's experts were sharded as dp x ep = %s x %s, this run is %s x %s;"
                 " the model keeps the file's experts (rank 0's)",
                 *rank_state["layout"][:2],
