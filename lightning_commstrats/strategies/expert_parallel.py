@@ -218,6 +218,18 @@ class ExpertParallelStrategy(AllReduceStrategy):
     # ------------------------------------------------------------------ gradients
 
     @override
+    def setup_scheme(self) -> None:
+        super().setup_scheme()
+        if self.world_size > 1:
+            # The clip by norm is this strategy's (over the whole model, see _clip_by_global_norm);
+            # Lightning's, run after it on each rank's own gradients, would scale each rank by its
+            # own factor (slightly below 1 when a rank's norm is within 1e-6 of the clipped
+            # global one) and the replicated dense gradients would drift apart. Value clipping
+            # (element-wise, the same on every replica) stays Lightning's.
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = _clipped_by_the_strategy  # type: ignore[method-assign]
+
+    @override
     def after_backward(self, optimizer: Optimizer) -> None:
         if self.world_size == 1:
             return
@@ -229,11 +241,24 @@ class ExpertParallelStrategy(AllReduceStrategy):
         # group (backward brought them through the all-to-all); summing over the replicas and
         # dividing by the world size gives the data-parallel average, as for dense parameters.
         expert_grads = [dense_grad(p) for p in params if id(p) in experts]
+        flags: list[torch.Tensor] = []
         if self.dp_size > 1:
-            self._expert_buckets(expert_grads, tag="grad_experts", exchange=self._sum_replicas)
+            self._expert_buckets(expert_grads, tag="grad_experts", exchange=self._sum_replicas, finite_flags=flags)
         elif expert_grads:
             torch._foreach_div_(expert_grads, self.world_size)
+            flags = [torch.isfinite(torch.stack(torch._foreach_norm(expert_grads))).all()]
+        self._check_experts(flags)
         self._clip_by_global_norm([dense_grad(p) for p in dense], expert_grads)
+
+    def _check_experts(self, flags: list[torch.Tensor]) -> None:
+        """Ranks hold different experts: whether every expert's gradient is finite is agreed over
+        all ranks (one int per rank gathered, tag ``"control"``, one host synchronisation), and the
+        ranks whose experts are not are reported on every rank, for the ``nonfinite`` policy."""
+        ok = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.root_device)
+        every = self.comm.all_gather((~ok).to(torch.int32).reshape(1), tag="control").reshape(-1)
+        bad = [r for r, b in enumerate(every.tolist()) if b]
+        if bad:
+            self.report_nonfinite([f"the experts of rank {r}" for r in bad])
 
     def _sum_replicas(self, flat: torch.Tensor, indices: list[int]) -> torch.Tensor:
         """One bucket of expert gradients: summed over the experts' replicas, divided by the world size."""
@@ -246,8 +271,9 @@ class ExpertParallelStrategy(AllReduceStrategy):
         that norm, and the factor it would apply to the replicated dense gradients, differs between
         ranks and the replicas drift apart. Here the norm counts the dense gradients once and every
         expert once (the squared norms of an expert-parallel group's shards summed, 4 bytes, tag
-        ``"control"``), exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; the
-        clip Lightning runs next then changes nothing (a rank's norm is at most the global one).
+        ``"control"``), exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. It is
+        the only clip by norm: Lightning's, which would follow on each rank's own gradients, is
+        switched off for this strategy (see :meth:`setup_scheme`).
         """
         trainer = self.trainer
         max_norm = trainer.gradient_clip_val if trainer is not None else None
@@ -325,3 +351,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
     def reset_state(self) -> None:
         if self.compression.exchange is not None:
             self.compression.exchange.reset()
+
+
+def _clipped_by_the_strategy(optimizer: Optimizer, clip_val: float) -> None:
+    """The precision plugin's clip by norm under ``expert_parallel``: already done by the strategy."""

@@ -83,6 +83,17 @@ def test_expert_parallel_training_equals_data_parallel_training_and_resumes():
     )
 
 
+def test_the_strategys_clip_is_the_only_clip():
+    """With the experts' gradients zero, each rank's own norm equals the global one: Lightning's clip
+    after the strategy's scaled the gradients once more (by max / (norm + 1e-6), a factor of each
+    rank's own norm), so the dense replicas could drift. It must not touch them."""
+    moe = {"model": "moe", "max_steps": 4, "momentum": 0.0, "clip_check": True, "scale_expert_grads": 0.0}
+    scenarios = {"ep": {**moe, "strategy": "expert_parallel", "kwargs": {"ep_size": 2}, "clip": 0.05}}
+    results = run_ranks({"scenarios": scenarios}, 2)
+    for res in results:
+        assert res["ep"]["clip_untouched"] == [True] * 4, res["ep"]["clip_untouched"]
+
+
 BIAS = "net.blocks.1.ffn.expert_bias"
 # TinyMoELM's experts: 4 x (w1 16 x 32 + b1 32 + w2 32 x 16 + b2 16) floats
 EXPERT_NUMEL = 4 * (16 * 32 + 32 + 32 * 16 + 16)

@@ -140,6 +140,27 @@ def test_every_scheme_skips_a_nan_on_every_rank():
             assert skipped[0] == [i == SKIP for i in range(8)], (name, skipped[0])
 
 
+def test_expert_parallel_skips_a_nan_in_one_ranks_expert_on_every_rank():
+    """Ranks hold different experts: a NaN in rank 1's expert gradient was seen by rank 1 alone
+    (and applied to its experts); every rank must skip the step."""
+    scenario = {
+        "strategy": "expert_parallel",
+        "model": "moe",
+        "kwargs": {"ep_size": 2, "nonfinite": "skip"},
+        "max_steps": 6,
+        "momentum": 0.0,
+        "inject_inf": [SKIP, 1, "nan", ".experts."],
+        "state_trace": True,
+    }
+    results = run_ranks({"scenarios": {"ep": scenario}}, 2)
+    for res in results:
+        assert [s["skipped"] for s in res["ep"]["states"]] == [i == SKIP for i in range(6)]
+        assert all(torch.isfinite(v).all() for v in res["ep"]["params"].values())
+    for name, value in results[0]["ep"]["params"].items():
+        if ".experts." not in name:
+            assert torch.equal(value, results[1]["ep"]["params"][name]), name
+
+
 @pytest.mark.parametrize("name", ["allreduce", "bmuf_warm_start"])
 def test_a_nan_raises_on_every_rank(name):
     strategy, kwargs = EVERY_SCHEME[name]

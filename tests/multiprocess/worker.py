@@ -26,6 +26,12 @@ average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, ot
 ``save_memory``: after fit, save ``OUT_DIR/<scenario>.ckpt`` and keep how far resident memory rose.
 ``validate_ckpt`` (``[scenario, step]``: validate that checkpoint instead of training), ``validate_after``
 (validate once fit ends); both keep ``val/loss`` (and ``validated_metrics``, all that validate returned).
+``unit`` (model): one weight, zero at the start, that every optimizer step moves by exactly +1/4
+(loss ``-w``, plain SGD at lr 1/4; ``model_kwargs`` ``lr`` changes the step).
+``record_pushes``: keep every push of the asynchronous parameter server (``pushes``: this worker's
+weights before it, the base its progress is measured from, the progress pushed, the server's reply,
+whether it was pipelined, the weights it continued from). ``hold`` (``[rank, other]``): that rank
+starts its first batch only once rank ``other`` has ended its training loop.
 """
 
 from __future__ import annotations
@@ -168,6 +174,25 @@ class UnevenMlp(Mlp):
         return DataLoader(RandomDataset(32, 256), batch_size=self.batch_size + 2 * self.trainer.global_rank)
 
 
+class UnitSteps(Mlp):
+    """One weight, zero at the start, that every optimizer step moves by exactly ``lr`` (1/4: a
+    block of four steps moves every worker by one unit): loss ``-w``, plain SGD."""
+
+    def __init__(self, lr: float = 0.25, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layer = nn.Linear(1, 1, bias=False)
+        nn.init.zeros_(self.layer.weight)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = -self.layer.weight.sum() + 0.0 * batch.sum()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.0)
+
+
 class WideMlp(Mlp):
     """The MLP with a 2048 x 2048 hidden layer (16 MiB of weights, as much again of momentum): a
     rank's state large enough that memory measurements of a checkpoint save see it."""
@@ -216,6 +241,7 @@ MODELS = {
     "bn": BatchNormMlp,
     "uneven": UnevenMlp,
     "wide": WideMlp,
+    "unit": UnitSteps,
 }
 
 
@@ -242,15 +268,47 @@ class Trace(L.Callback):
 
 
 class InjectInf(L.Callback):
-    """An inf (or ``value``: "nan") in the first parameter's gradient on one rank at one optimizer step."""
+    """An inf (or ``value``: "nan") in the gradient of the first parameter (whose name holds
+    ``name``) on one rank at one optimizer step."""
 
-    def __init__(self, step: int, rank: int, value: str = "inf") -> None:
-        self.step, self.rank, self.value = step, rank, float(value)
+    def __init__(self, step: int, rank: int, value: str = "inf", name: str = "") -> None:
+        self.step, self.rank, self.value, self.name = step, rank, float(value), name
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            param = next(p for p in pl_module.parameters() if p.grad is not None)
+            named = pl_module.named_parameters()
+            param = next(p for n, p in named if p.grad is not None and self.name in n)
             param.grad.view(-1)[0] = self.value
+
+
+class ScaleExpertGrads(L.Callback):
+    """Multiplies every expert's gradient by ``factor`` after backward (the same on every rank): a
+    model whose gradient norm is nearly all dense parameters."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for name, p in pl_module.named_parameters():
+            if ".experts." in name and p.grad is not None:
+                p.grad.mul_(self.factor)
+
+
+class ClipCheck(L.Callback):
+    """Whether the gradients ``optimizer.step`` used are those the strategy left (Lightning's own
+    clipping, which runs in between, changed nothing), per step."""
+
+    def __init__(self) -> None:
+        self.same: list[bool] = []
+        self._before: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # the step changed no gradient (SGD), and the next zero_grad is still to come
+        now = torch.cat([p.grad.reshape(-1) for p in pl_module.parameters() if p.grad is not None])
+        self.same.append(self._before is not None and torch.equal(now, self._before))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._before = torch.cat([p.grad.reshape(-1) for p in pl_module.parameters() if p.grad is not None]).clone()
 
 
 class Perturb(L.Callback):
@@ -295,6 +353,32 @@ class Slow(L.Callback):
         self.end = time.perf_counter()
 
 
+class Hold(L.Callback):
+    """Rank ``rank`` starts its first batch only once rank ``other`` has ended its training loop (a
+    file ``other`` touches when its training ends): one worker of an asynchronous scheme runs all
+    its steps before the other starts, an order that does not depend on timing."""
+
+    def __init__(self, flag: Path, rank: int, other: int, timeout: float = 120.0) -> None:
+        self.flag, self.rank, self.other, self.timeout = flag, rank, other, timeout
+        self.waited = False
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_rank != self.rank or self.waited:
+            return
+        self.waited = True
+        deadline = time.monotonic() + self.timeout
+        while not self.flag.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: rank {self.other} did not end its training loop")
+            time.sleep(0.02)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == self.other:
+            self.flag.touch()
+
+
 class StateTrace(L.Callback):
     """The strategy's own state (shared and rank-local) and the loss scale after every step."""
 
@@ -324,6 +408,35 @@ def record_pseudo_gradients(strategy: Any, out: list[dict[str, Any]]) -> None:
         out.append({"step": strategy.optimizer_steps, "mine": mine, "avg": clone(named)})
 
     strategy.average_pseudo_gradient = recorded
+
+
+def record_pushes(strategy: Any, out: list[dict[str, Any]]) -> list[Any]:
+    """Wrap the asynchronous parameter server's sync: keep, per push, this worker's weights before it
+    (``local``), the ``base`` its progress is measured from, the progress it ``pushed`` (scaled),
+    whether it was ``pipelined``, and the weights it continued from (``start``). Returns the futures
+    of the server's replies (a copy of each, made when it arrives), one per push."""
+    sync, push_pull = strategy._sync_async, strategy._push_pull
+    replies: list[Any] = []
+
+    def pushing(op: str, flat: torch.Tensor, tag: str) -> Any:
+        futures = push_pull(op, flat, tag)
+        if op == "delta":
+            out[-1]["pushed"] = flat.detach().clone()
+            replies.append(
+                torch.futures.collect_all(futures).then(
+                    lambda done: torch.cat([f.wait().reshape(-1) for f in done.wait()]).clone()
+                )
+            )
+        return futures
+
+    def syncing(pipelined: bool) -> None:
+        out.append({"local": strategy.flat_weights(), "base": strategy._base.clone(), "pipelined": pipelined})
+        sync(pipelined=pipelined)
+        out[-1]["start"] = strategy.flat_weights()
+
+    strategy._push_pull = pushing
+    strategy._sync_async = syncing
+    return replies
 
 
 def clone(value: Any) -> Any:
@@ -358,10 +471,18 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         callbacks.append(states)
     if sc.get("inject_inf"):
         callbacks.append(InjectInf(*sc["inject_inf"]))
+    clip_check = ClipCheck()
+    if sc.get("clip_check"):
+        callbacks.append(clip_check)
+    if sc.get("scale_expert_grads") is not None:
+        callbacks.append(ScaleExpertGrads(sc["scale_expert_grads"]))
     if sc.get("perturb"):
         callbacks.append(Perturb(*sc["perturb"]))
     if sc.get("marker_at"):
         callbacks.append(Marker(out, sc["marker_at"]))
+    if sc.get("hold"):
+        held, other = sc["hold"]
+        callbacks.append(Hold(out / f"trained{other}-{name}", held, other))
     plugins = [lightning_commstrats.LayeredMixedPrecision(**sc["precision"])] if sc.get("precision") else []
     if sc.get("ckpt_every"):
         callbacks.append(
@@ -381,6 +502,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     exchanges: list[dict[str, Any]] = []
     if sc.get("record_exchange"):
         record_pseudo_gradients(strategy, exchanges)
+    pushes: list[dict[str, Any]] = []
+    replies = record_pushes(strategy, pushes) if sc.get("record_pushes") else []
     trainer = L.Trainer(
         accelerator=sc.get("accelerator", "cpu"),
         devices=sc.get("devices", 2),
@@ -408,18 +531,22 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         if sc.get("validate_after"):
             validated = trainer.validate(model, verbose=False)[0]
             val_loss = validated["val/loss"]
+    for push, reply in zip(pushes, replies, strict=True):
+        push["reply"] = reply.wait()
     result: dict[str, Any] = {
         "params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "losses": model.losses,
         "world_size": trainer.world_size,
         "trace": trace.steps,
         "step_bytes": trace.step_bytes,
+        "clip_untouched": clip_check.same,
         "validated": trace.validated,
         "rows": trace.rows,
         "states": states.states,
         "rank_state_after_fit": clone(strategy.rank_state_dict()) if sc.get("state_trace") else None,
         "precision": trainer.precision_plugin.state_dict(),
         "exchanges": exchanges,
+        "pushes": pushes,
         "buffers_before_end": at_end.buffers,
         "val_loss": val_loss,
         "validated_metrics": {k: float(v) for k, v in validated.items()},
