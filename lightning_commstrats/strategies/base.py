@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, unflatten_into
 from lightning_commstrats.comm import (
     BACKENDS,
@@ -660,7 +661,14 @@ class CommStrategy(RankDevices, ParallelStrategy):
             if two_level is not None and saved["world_size"] == self.world_size:
                 self.two_level.load_state_dict(_to_device(two_level, self.root_device))
         if saved["strategy"] != name:
-            log.warning("checkpoint state of %s is not %s state; %s starts afresh", saved["strategy"], name, name)
+            log_rank_zero(
+                log,
+                logging.WARNING,
+                "checkpoint state of %s is not %s state; %s starts afresh",
+                saved["strategy"],
+                name,
+                name,
+            )
             return
         if saved["world_size"] != self.world_size:
             problem = f"it was saved by {saved['world_size']} ranks and this run has {self.world_size}"
@@ -668,7 +676,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 try:
                     rank_state = self.resharded_rank_state(saved["state"], saved.get("rank"), saved["world_size"])
                     self.load_state_dict(saved["state"], _to_device(rank_state, self.root_device))
-                    log.warning("%s: %s; its state was re-split over this run's ranks", name, problem)
+                    log_rank_zero(
+                        log, logging.WARNING, "%s: %s; its state was re-split over this run's ranks", name, problem
+                    )
                     return
                 except ValueError as err:
                     problem = f"{problem}, and {err}"
@@ -679,7 +689,15 @@ class CommStrategy(RankDevices, ParallelStrategy):
             except ValueError as err:
                 problem = str(err)
         if self.resume_mismatch == "reset":
-            log.warning("%s: not restoring the checkpoint's strategy state (%s); starting it afresh", name, problem)
+            # another world size is every rank's problem alike; a rank's own state may fail alone
+            say = log_rank_zero if saved["world_size"] != self.world_size else _log_here
+            say(
+                log,
+                logging.WARNING,
+                "%s: not restoring the checkpoint's strategy state (%s); starting it afresh",
+                name,
+                problem,
+            )
             self.reset_state()
             return
         raise ValueError(
@@ -772,7 +790,17 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 f" {self.optimizer_steps} ({where}). Lower the learning rate, clip gradients, use loss"
                 f" scaling, or pass nonfinite='skip' to skip such steps."
             )
-        log.warning("non-finite %s%s (%s): step %d skipped %s", averaged, what, shown, self.optimizer_steps, where)
+        say = log_rank_zero if everywhere else _log_here  # a decision every rank took alike: said once
+        say(
+            log,
+            logging.WARNING,
+            "non-finite %s%s (%s): step %d skipped %s",
+            averaged,
+            what,
+            shown,
+            self.optimizer_steps,
+            where,
+        )
         return True
 
     def all_reduce_fused(
@@ -834,7 +862,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
             )
             if self.verify_sync_action == "raise":
                 raise RuntimeError(message)
-            log.warning(message)
+            log_rank_zero(log, logging.WARNING, message)  # every rank saw the same gathered moments
         return bad
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -954,3 +982,8 @@ def _externally_launched_world_size(env: ClusterEnvironment) -> int | None:
         # LOCAL_RANK itself also exports WORLD_SIZE (as torchrun and Lightning's children do).
         return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     return env.world_size()
+
+
+def _log_here(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
+    """``logger.log`` on this rank (what only this rank knows), as :func:`log_rank_zero` is called."""
+    logger.log(level, msg, *args, stacklevel=2)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -290,7 +291,9 @@ class PeriodicSyncStrategy(CommStrategy):
         if self.num_fragments > n:
             raise ValueError(f"num_fragments={self.num_fragments} is larger than the model's {n} parameter tensors")
         self._bounds = fragment_bounds([p.numel() for p in self.params], self.num_fragments)
-        if self.fault_tolerance is not None:
+        trainer = self.trainer
+        evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
+        if self.fault_tolerance is not None and not evaluating:  # validate/test alone: no quorum to join
             self._join_replicas()
         elif self.world_size > 1:
             _ = self.exchange  # every rank makes its channel now, in the same order
