@@ -55,7 +55,9 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
     Args:
         sync_period: inner steps between two syncs of the same fragment (default 100).
         num_fragments: fragments of the model (default 4; at most the number of parameter tensors).
-        fragment_sync_delay: inner steps an exchange overlaps (default 5; 0 blocks).
+        fragment_sync_delay: inner steps an exchange overlaps (0 blocks). Default ``None``: 5, or
+            less when the schedule allows less (the largest delay below ``sync_period /
+            num_fragments``, so that one fragment at most is in flight).
         fragment_update_alpha: mixing weight of the local fragment, in [0, 1] (default 0).
         pseudo_grad_bits: 32, 16, 8, 4 (default) or 2.
         outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs, parallelization_start, reset_sgd_momentum:
@@ -74,7 +76,7 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
         self,
         sync_period: int = 100,
         num_fragments: int = 4,
-        fragment_sync_delay: int = 5,
+        fragment_sync_delay: int | None = None,
         fragment_update_alpha: float = 0.0,
         pseudo_grad_bits: int = 4,
         outer_optimizer: Any = None,
@@ -88,6 +90,8 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
         unit = kwargs.pop("sync_period_unit", "steps")
         if unit != "steps":
             raise ValueError(f"streaming_diloco counts optimizer steps; sync_period_unit={unit!r} is not allowed")
+        if fragment_sync_delay is None:
+            fragment_sync_delay = default_delay(sync_period, num_fragments)
         super().__init__(
             sync_period=sync_period,
             sync_period_unit="steps",
@@ -103,3 +107,12 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
             fragment_update_alpha=fragment_update_alpha,
             **kwargs,
         )
+
+
+def default_delay(sync_period: Any, num_fragments: Any, most: int = 5) -> int:
+    """``most`` steps, or the largest delay the schedule allows (below ``sync_period /
+    num_fragments``); bad values are left for the base's checks (0 here)."""
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (sync_period, num_fragments))
+    if not ints:
+        return 0
+    return max(min(most, -(-sync_period // num_fragments) - 1), 0)
