@@ -120,8 +120,11 @@ def check_stopped_together(outcome: dict[str, Any], max_steps: int) -> int:
     step = steps.pop()
     assert step < max_steps, f"the run finished ({step} steps) instead of stopping: {results}"
     assert all(r["received_sigterm"] for r in results)
-    last_exit = max(r["time"] for r in results)
-    assert last_exit - outcome["sent"] < BOUND_SECONDS, f"stopped {last_exit - outcome['sent']:.1f} s after the signal"
+    last_stop = max(r["time"] for r in results)
+    assert last_stop - outcome["sent"] < BOUND_SECONDS, f"stopped {last_stop - outcome['sent']:.1f} s after the signal"
+    # every process gone (polled every 50 ms), teardown included
+    gone = outcome["ended"] - outcome["sent"]
+    assert gone < BOUND_SECONDS, f"the processes exited {gone:.1f} s after the signal"
     return step
 
 
@@ -164,7 +167,8 @@ def test_sigterm_inside_a_step_stops_every_rank_at_the_same_step(case):
     outcome = trial({**spec, "signal": sig, "max_steps": 400})
     step = check_stopped_together(outcome, 400)
     took = max(r["time"] for r in outcome["results"]) - outcome["sent"]
-    print(f"{case}: every rank stopped at step {step}, {took:.1f} s after the signal")
+    gone = outcome["ended"] - outcome["sent"]
+    print(f"{case}: every rank stopped at step {step}, {took:.1f} s after the signal, exited after {gone:.1f} s")
 
 
 def test_sigterm_checkpoints_the_run_on_every_rank():
@@ -210,4 +214,4 @@ def test_sigterm_at_random_times_never_hangs(trial_index):
     step = check_stopped_together(outcome, 2000)
     took = max(r["time"] for r in outcome["results"]) - outcome["sent"]
     print(f"trial {trial_index}: {strategy} {kwargs}, {world} ranks, rank {victim} at +{delay:.2f} s:", end=" ")
-    print(f"step {step}, {took:.1f} s")
+    print(f"step {step}, stopped after {took:.1f} s, exited after {outcome['ended'] - outcome['sent']:.1f} s")
