@@ -1,5 +1,5 @@
-"""Pure tensor code: column quantizers with bit packing, the two-stage quantized all-reduce, the exchange
-component over them, row selection."""
+"""Pure tensor code: line quantizers (uniform grids, 1-bit SGD's means, E3M0) with bit packing, the two-stage
+quantized all-reduce, the exchange component over them, row selection."""
 
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
 from lightning_commstrats.compression.exchange import (
@@ -8,19 +8,31 @@ from lightning_commstrats.compression.exchange import (
     GradientCompression,
     TensorExchange,
 )
-from lightning_commstrats.compression.quantizers import CODEC_BITS, ColumnCodec, pack_bits, packed_bytes, unpack_bits
+from lightning_commstrats.compression.quantizers import (
+    CODEC_BITS,
+    CODECS,
+    ColumnCodec,
+    E3M0Codec,
+    make_codec,
+    pack_bits,
+    packed_bytes,
+    unpack_bits,
+)
 from lightning_commstrats.compression.rows import batch_token_ids, most_frequent, random_rows, resolve_count, union
 
 __all__ = [
+    "CODECS",
     "CODEC_BITS",
     "EXCHANGE_BITS",
     "BucketedAllReduce",
     "ColumnCodec",
+    "E3M0Codec",
     "GradientCompression",
     "MatrixLayout",
     "QuantizedAllReduce",
     "TensorExchange",
     "batch_token_ids",
+    "make_codec",
     "most_frequent",
     "pack_bits",
     "packed_bytes",

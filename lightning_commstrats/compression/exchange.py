@@ -8,7 +8,11 @@ scheme composes with every codec:
 - ``bits`` in 1, 2, 4, 8, 16: matrices (2+ dimensions, more than ``small_tensor_numel`` values) go
   through the two-stage quantized all-reduce with error feedback
   (:class:`~lightning_commstrats.compression.QuantizedAllReduce`: an all-to-all of packed stripes,
-  then an all-gather), the rest (biases, norms) in fused fp32 all-reduces.
+  then an all-gather), the rest (biases, norms) in fused fp32 all-reduces. The codec of the
+  matrices: ``codec="uniform"`` (:class:`~lightning_commstrats.compression.ColumnCodec`: 1-bit SGD's
+  two means at 1 bit, a uniform grid of ``2^bits`` levels on ``[lo, hi]`` per line at 2, 4, 8 bits,
+  half floats at 16) or ``codec="e3m0"`` at 4 bits (:class:`~lightning_commstrats.compression.E3M0Codec`,
+  Streaming DiLoCo's 4-bit float: ``+-scale * 2^e`` on one scale per line).
 
 Its state is the rank-local error-feedback residuals, keyed by tensor name
 (:meth:`TensorExchange.state_dict`). No Lightning here.
@@ -25,7 +29,7 @@ from torch import Tensor
 from lightning_commstrats.buckets import FlatBuffers, layout_key, plan_buckets, unflatten_into
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
-from lightning_commstrats.compression.quantizers import ColumnCodec
+from lightning_commstrats.compression.quantizers import check_codec, make_codec
 
 EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
 SCALES = ("columns", "rows")
@@ -123,6 +127,9 @@ class TensorExchange:
         average: averages the fp32 buckets instead of a flat all-reduce (see :class:`BucketedAllReduce`).
         scales: ``"columns"`` (one scale pair per column of a matrix, 1-bit SGD's layout) or
             ``"rows"`` (per row: every word of a vocabulary matrix on its own scale).
+        codec: ``"uniform"`` (default: two means at 1 bit, ``2^bits`` uniform levels between two
+            float32 scales per line at 2, 4, 8 bits) or ``"e3m0"`` (``bits=4`` only: Streaming DiLoCo's
+            4-bit float, ``+-scale * 2^e`` for ``e`` in -6..0 and zero, one float32 scale per line).
     """
 
     def __init__(
@@ -137,8 +144,10 @@ class TensorExchange:
         keep_buffers: bool = True,
         average: Average | None = None,
         scales: str = "columns",
+        codec: str = "uniform",
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
+        check_codec(codec, bits)
         if scales not in SCALES:
             raise ValueError(f"scales={scales!r} is not supported; choose one of {SCALES}")
         self.by_rows = scales == "rows"
@@ -147,10 +156,11 @@ class TensorExchange:
         self.small_tensor_numel = small_tensor_numel
         self.tag = tag
         self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20), keep_buffers=keep_buffers, average=average)
+        self.codec = codec
         self.quantized: QuantizedAllReduce | None = None
         if bits < 32:
-            codec = ColumnCodec(min(bits, 16), HALF_DTYPES[half_dtype])
-            self.quantized = QuantizedAllReduce(codec, comm, tag=f"{tag}_quantized", by_rows=self.by_rows)
+            line_codec = make_codec(codec, min(bits, 16), HALF_DTYPES[half_dtype])
+            self.quantized = QuantizedAllReduce(line_codec, comm, tag=f"{tag}_quantized", by_rows=self.by_rows)
 
     def quantizes(self, t: Tensor) -> bool:
         """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values)."""

@@ -1,26 +1,35 @@
-"""Column-wise gradient quantizers with bit packing, as in 1-bit SGD (Seide et al., Interspeech 2014).
+"""Line-wise gradient quantizers with bit packing: 1-bit SGD's (Seide et al., Interspeech 2014), uniform
+n-bit grids, and Streaming DiLoCo's 4-bit float E3M0.
 
 Pure tensor code. A gradient matrix is viewed as ``[rows, cols]`` (a parameter of shape
 ``(d0, d1, ...)`` as ``[d0, d1 * ...]``; PyTorch's ``Linear.weight`` is ``[out, in]``, so a column
-holds every output's weight from one input, as in CNTK). Each column is quantized on its own:
+holds every output's weight from one input, as in CNTK). Each column is quantized on its own
+(the exchange can also hand rows over as the lines, see
+:class:`~lightning_commstrats.compression.MatrixLayout`). :class:`ColumnCodec`:
 
 - **1 bit** (``bits=1``): threshold at 0; the two reconstruction values are the mean of the column's
   non-negative entries and the mean of its negative entries, so the dequantized column keeps the
   column's mean exactly. Wire: 1 bit per value + 2 float32 per column.
-- **n bits** (``bits`` in 2, 4, 8): ``[lo, hi]`` is cut into ``2^n`` equal bins and a value is
-  sent as its bin and rebuilt as the bin's centre; values outside are clipped. ``[lo, hi]`` is the
-  column's ``mean +- k std`` intersected with its ``[min, max]``, with ``k`` = 2, 2.7 and 4 for 2, 4
-  and 8 bits: the uniform steps that minimise the squared error of Gaussian values (Max, 1960).
-  CNTK clips at 4 std for every width, which at 2 bits loses more than 1-bit quantization does
-  (relative error 0.63 against 0.60 on Gaussian columns). Wire: n bits per value + 2 float32
-  per column.
+- **n bits** (``bits`` in 2, 4, 8): a *uniform* grid. ``[lo, hi]`` is cut into ``2^n`` equal bins
+  and a value is sent as its bin and rebuilt as the bin's centre; values outside are clipped.
+  ``[lo, hi]`` is the column's ``mean +- k std`` (population std) intersected with its
+  ``[min, max]``, with ``k`` = 2, 2.7 and 4 for 2, 4 and 8 bits: the uniform steps that minimise
+  the squared error of Gaussian values (Max, 1960). CNTK clips at 4 std for every width, which at
+  2 bits loses more than 1-bit quantization does (relative error 0.63 against 0.60 on Gaussian
+  columns). In float32, each operation rounded: ``step = (hi - lo) / 2^n``, ``inv = 1 / step`` (0
+  when ``step`` is 0), the bin is ``(x - lo) * inv`` truncated and clamped to ``[0, 2^n - 1]``, and
+  the rebuilt value ``lo + (bin + 0.5) * step``. Wire: n bits per value + 2 float32 (``lo``, ``hi``) per column.
 - **16 bits**: float16 or bfloat16 values, no scales.
 
+:class:`E3M0Codec` is the 4-bit float Streaming DiLoCo sends its outer gradients in (1 sign bit,
+3 exponent bits, no mantissa), on one float32 scale per column: ``+-scale * 2^e`` for ``e`` in
+-6..0, and zero. Wire: 4 bits per value + 1 float32 per column.
+
 Codes are packed ``8 / bits`` per byte in column-major order into a real ``uint8`` buffer of
-``ceil(rows * cols * bits / 8)`` bytes (numpy's ``packbits`` for 1 bit on CPU). Error feedback is
-the caller's: quantize ``g + residual`` and keep ``residual = (g + residual) - dequantized``;
-encode returns the dequantized block so the residual needs no second decode, and
-:meth:`ColumnCodec.decode` reproduces it bit for bit.
+``ceil(rows * cols * bits / 8)`` bytes, the first code in the most significant bits (numpy's
+``packbits`` for 1 bit on CPU). Error feedback is the caller's: quantize ``g + residual`` and keep
+``residual = (g + residual) - dequantized``; encode returns the dequantized block so the residual
+needs no second decode, and ``decode`` reproduces it bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +41,12 @@ from torch import Tensor
 PACKED_BITS = (1, 2, 4, 8)
 CODEC_BITS = (1, 2, 4, 8, 16)
 CLIP_STDDEVS = {2: 2.0, 4: 2.7, 8: 4.0}
+CODECS = ("uniform", "e3m0")
+# E3M0's magnitudes, as fractions of the column's scale: code ``e`` in 1..7 is ``2^(e - 7)``, 0 is zero.
+# A value ``v = |x| / scale`` is rounded to the nearest one (ties away from zero): its code is the
+# number of midpoints at or below ``v`` (2^-7 between 0 and 2^-6, then 0.75 * 2^k between 2^(k-1)
+# and 2^k); every midpoint is exact in float32, so the comparison is exact.
+E3M0_MIDPOINTS = (2.0**-7, *(0.75 * 2.0**k for k in range(-5, 1)))
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
@@ -146,17 +161,113 @@ class ColumnCodec:
         hi = torch.minimum(mean + k * std, x.amax(1))
         step = (hi - lo) / bins
         inv = torch.where(step > 0, 1.0 / step, 0.0).unsqueeze(1)
-        # (x - lo) / step, truncated: the bin index (values outside [lo, hi] land in the end bins)
-        codes = torch.addcmul(-lo.unsqueeze(1) * inv, x, inv).clamp_(0, bins - 1).to(torch.uint8)
+        # (x - lo) / step, truncated: the bin index (values outside [lo, hi] land in the end bins).
+        # Two float32 operations, each rounded: one fused kernel (x * inv - lo * inv) would round once
+        # where the CPU or GPU fuses a multiply-add and twice where it does not
+        codes = torch.sub(x, lo.unsqueeze(1)).mul_(inv).clamp_(0, bins - 1).to(torch.uint8)
         return codes, torch.stack([lo, hi])
 
     def _dequantize(self, codes: Tensor, scales: Tensor) -> Tensor:
+        # one float32 block, computed in place (the operations and their order are those of the
+        # definition, so the values are bit for bit the same)
+        values = codes.float()
         if self.bits == 1:
             # lerp returns its end points exactly at weights 0 and 1: the two means, bit for bit
-            return torch.lerp(scales[0].unsqueeze(1), scales[1].unsqueeze(1), codes.float())
+            return torch.lerp(scales[0].unsqueeze(1), scales[1].unsqueeze(1), values, out=values)
         lo, hi = scales[0].unsqueeze(1), scales[1].unsqueeze(1)
         step = (hi - lo) / (1 << self.bits)
-        return lo + (codes.float() + 0.5) * step
+        return values.add_(0.5).mul_(step).add_(lo)  # lo + (code + 0.5) * step
+
+
+class E3M0Codec:
+    """Quantize blocks of gradient columns to E3M0, the 4-bit float of Streaming DiLoCo's outer
+    gradients (1 sign bit, 3 exponent bits, 0 mantissa bits), one float32 scale per column.
+
+    A column's scale is its largest magnitude, ``max |x|``, so the largest value travels exactly.
+    Each value is rounded to the nearest of ``+-scale * 2^e`` (``e`` in -6..0) and zero, ties away
+    from zero: ``v = |x| / scale`` in float32, and the 3-bit exponent field is the number of
+    midpoints between levels at or below ``v`` (``E3M0_MIDPOINTS``: ``2^-7``, then ``0.75 * 2^k`` for
+    ``k`` in -5..0; field 0 is zero, field ``f`` in 1..7 is ``2^(f - 7)``, as a float whose exponent
+    field 0 holds no subnormals but zero). The sign bit is
+    the code's high bit, set for negative values that do not round to zero (zero is always code 0).
+    The rebuilt value is ``scale * (+-2^(f - 7))``, exact in float32 (a power-of-two multiple of the
+    scale). A column of zeros has scale 0 and decodes to zeros; a non-finite column has a non-finite
+    scale and decodes to non-finite values (inf or NaN), so a poisoned input never looks finite.
+
+    Against the uniform 16-level grid of :class:`ColumnCodec` (``bits=4``): half the scale bytes,
+    and the levels are spaced by octaves, so small values keep their relative precision and the
+    largest is exact; but there is no level between ``scale / 2`` and ``scale``, and the values
+    under ``scale / 128`` are sent as zero (error feedback carries them to the next exchange).
+    ``benchmarks/codec_quality.py`` measures both on real pseudo-gradients.
+
+    Payload layout: the column scales (``cols`` float32), then the 4-bit codes of the block in
+    memory order (column after column), two per byte, the first in the high nibble.
+
+    Reference: Y. Donchev, A. Douillard et al., "Streaming DiLoCo with overlapping communication:
+    Towards a Distributed Free Lunch", 2025 (the outer gradients in E3M0, summed in float32).
+    The paper does not say how its values are scaled into E3M0's range; the per-column largest
+    magnitude here is this package's choice.
+    """
+
+    bits = 4
+
+    def __init__(self) -> None:
+        self._levels: dict[torch.device, Tensor] = {}
+
+    def payload_bytes(self, cols: int, rows: int) -> int:
+        """Bytes of the payload for ``cols`` columns of ``rows`` values."""
+        return cols * 4 + packed_bytes(rows * cols, 4)
+
+    def encode(self, block: Tensor) -> tuple[Tensor, Tensor]:
+        """Quantize a contiguous float32 ``[cols, rows]`` block; returns ``(payload, dequantized)``."""
+        if block.dim() != 2 or block.dtype != torch.float32 or not block.is_contiguous():
+            raise ValueError(f"encode takes a contiguous 2-D float32 block, got {block.dim()}-D {block.dtype}")
+        magnitude = block.abs()
+        scale = magnitude.amax(1) if block.shape[1] else block.new_zeros(block.shape[0])
+        # a zero column divides by 1 (its values are all 0); a NaN scale keeps its column non-finite
+        # through the decode (NaN * level), whatever the codes
+        divisor = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+        v = magnitude.div_(divisor)
+        # the exponent field: how many midpoints lie at or below v (seven comparisons beat a search)
+        codes = (v >= E3M0_MIDPOINTS[0]).to(torch.uint8)
+        for midpoint in E3M0_MIDPOINTS[1:]:
+            codes += v >= midpoint
+        codes += ((block < 0) & (codes > 0)).to(torch.uint8) << 3
+        payload = torch.cat([scale.view(torch.uint8), pack_bits(codes, 4)])
+        return payload, self._dequantize(codes, scale)
+
+    def decode(self, payload: Tensor, cols: int, rows: int) -> Tensor:
+        """The float32 ``[cols, rows]`` block of a payload made by :meth:`encode`, bit-identical."""
+        expected = self.payload_bytes(cols, rows)
+        if payload.numel() != expected:
+            raise ValueError(f"payload has {payload.numel()} bytes, {cols} columns of {rows} need {expected}")
+        scale = _view(payload[: cols * 4], torch.float32)
+        codes = unpack_bits(payload[cols * 4 :], 4, rows * cols).view(cols, rows)
+        return self._dequantize(codes, scale)
+
+    def _dequantize(self, codes: Tensor, scale: Tensor) -> Tensor:
+        levels = self._levels.get(codes.device)
+        if levels is None:  # the 16 codes' values on the unit scale: +-2^(f - 7), and zeros
+            magnitudes = [0.0, *(2.0 ** (f - 7) for f in range(1, 8))]
+            levels = self._levels[codes.device] = torch.tensor(
+                magnitudes + [-m for m in magnitudes], device=codes.device
+            )
+        return levels.index_select(0, codes.reshape(-1).int()).view(codes.shape).mul_(scale.unsqueeze(1))
+
+
+def make_codec(codec: str, bits: int, half_dtype: torch.dtype = torch.float16) -> ColumnCodec | E3M0Codec:
+    """The line codec named ``codec`` (one of :data:`CODECS`) at ``bits`` bits per value."""
+    check_codec(codec, bits)
+    return E3M0Codec() if codec == "e3m0" else ColumnCodec(bits, half_dtype)
+
+
+def check_codec(codec: str, bits: int, *, name: str = "codec", bits_name: str = "bits") -> None:
+    """Raise ``ValueError`` unless ``codec`` is one of :data:`CODECS` and ``bits`` suits it (E3M0: 4 only);
+    ``name`` and ``bits_name`` are the caller's argument names."""
+    if codec not in CODECS:
+        raise ValueError(f"{name}={codec!r} is not supported; choose one of {CODECS}")
+    if codec == "e3m0" and bits != 4:
+        raise ValueError(f"{name}='e3m0' is a 4-bit format: it needs {bits_name}=4, got {bits_name}={bits!r}")
 
 
 def _view(raw: Tensor, dtype: torch.dtype) -> Tensor:

@@ -21,8 +21,9 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
        optimizer: AdamW in the paper and in the recipes) for ``sync_period`` steps (or samples per
        worker), starting from the global model ``w``;
     2. the pseudo-gradient ``G = w - w_local`` is averaged over ranks: fp32, or ``pseudo_grad_bits``
-       per value with per-row scales and error feedback (what quantization lost is added to the
-       next sync's ``G``), through an all-to-all of packed stripes and an all-gather;
+       per value on scales per row (``pseudo_grad_codec``) with error feedback (what quantization
+       lost is added to the next sync's ``G``), through an all-to-all of packed stripes and an
+       all-gather;
     3. the outer optimizer takes one step on ``w`` with ``G`` as its gradient (Nesterov SGD,
        ``lr=0.7``, ``momentum=0.9`` by default), and every rank restarts from the new ``w``.
 
@@ -41,8 +42,14 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
     - ``outer_optimizer``: any ``torch.optim.Optimizer`` (class, class path, or callable
       ``params -> Optimizer``); the paper found Nesterov best, Adam as the outer one unstable.
     - ``pseudo_grad_bits``: 32 (the paper), 16, 8 (INTELLECT-1's int8 all-reduce: comparable
-      quality at a quarter of the bytes), 4 (Streaming DiLoCo) or 2 (with error feedback, as
+      quality at a quarter of the bytes), 4 (Streaming DiLoCo's width) or 2 (with error feedback, as
       MuLoCo/SparseLoCo); fewer bits add noise to the outer step that error feedback repays later.
+    - ``pseudo_grad_codec``: how 2, 4 and 8 bits are spent. ``"uniform"`` (default): ``2^bits``
+      evenly spaced levels between two float32 scales per row, ``lo`` and ``hi`` = the row's
+      ``mean +- k std`` (``k`` = 2, 2.7, 4 at 2, 4, 8 bits) clipped to its ``[min, max]``; this is
+      not a paper's codec. ``"e3m0"`` (4 bits only): Streaming DiLoCo's 4-bit float, 1 sign and 3
+      exponent bits, ``+-scale * 2^e`` for ``e`` in -6..0 and zero, on one float32 scale per row
+      (the row's largest magnitude). See ``benchmarks/results/codec_quality/`` for both measured.
     - ``parallelization_start``: fully synchronous steps (gradients all-reduced) before the first
       block: a warm start, useful when the very first steps move the weights far.
     - ``reset_sgd_momentum``: zero the inner optimizer's first moment after each sync (default
@@ -59,6 +66,7 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
         outer_momentum: outer momentum (default 0.9; Nesterov with SGD).
         outer_optimizer_kwargs: further outer optimizer arguments.
         pseudo_grad_bits: 32 (default), 16, 8, 4 or 2.
+        pseudo_grad_codec: ``"uniform"`` (default) or ``"e3m0"`` (with ``pseudo_grad_bits=4``).
         parallelization_start: warm start, in ``sync_period_unit``.
         reset_sgd_momentum: zero the inner first moment after each sync.
         **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`
@@ -81,6 +89,7 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
         outer_momentum: float = 0.9,
         outer_optimizer_kwargs: dict[str, Any] | None = None,
         pseudo_grad_bits: int = 32,
+        pseudo_grad_codec: str = "uniform",
         parallelization_start: int = 0,
         reset_sgd_momentum: bool = False,
         **kwargs: Any,
@@ -95,5 +104,6 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
             outer_momentum=outer_momentum,
             outer_optimizer_kwargs=outer_optimizer_kwargs,
             pseudo_grad_bits=pseudo_grad_bits,
+            pseudo_grad_codec=pseudo_grad_codec,
             **kwargs,
         )

@@ -23,8 +23,8 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
        fragments take turns, one every ``H / F`` steps;
     3. at its turn, the fragment's pseudo-gradient ``G_f = w_f - w_local_f`` starts its exchange in
        a background thread, on a communication channel of its own (a second gloo/NCCL process group
-       or a duplicated MPI communicator), quantized to ``pseudo_grad_bits`` with error feedback,
-       while the inner optimizer keeps training;
+       or a duplicated MPI communicator), quantized to ``pseudo_grad_bits`` (``pseudo_grad_codec``)
+       with error feedback, while the inner optimizer keeps training;
     4. ``fragment_sync_delay`` (``tau``) steps later the averaged ``G_f`` is waited for, the outer
        optimizer steps ``w_f``, and the local fragment becomes
        ``alpha * w_local_f + (1 - alpha) * w_f`` (``fragment_update_alpha``).
@@ -42,7 +42,14 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
       little). Must be < ``H / F``, so one fragment at most is in flight.
     - ``fragment_update_alpha``: 0 (default) replaces the local fragment by the global one and
       loses the ``tau`` local steps on that fragment; the paper's 0.5 keeps half of them.
-    - ``pseudo_grad_bits``: 4 by default (the paper's 4-bit outer gradients); 8 or 2 also work.
+    - ``pseudo_grad_bits`` and ``pseudo_grad_codec``: 4 bits by default, as the paper, but by
+      default not the paper's codec: ``"uniform"`` sends 16 evenly spaced levels between two
+      float32 scales per row (``lo``, ``hi`` = the row's ``mean +- 2.7 std`` clipped to its
+      ``[min, max]``; a value is sent as its bin, rebuilt as the bin's centre). The paper sends
+      E3M0, a 4-bit float (1 sign, 3 exponent, 0 mantissa bits): ``pseudo_grad_codec="e3m0"``, here
+      ``+-scale * 2^e`` for ``e`` in -6..0 and zero on one float32 scale per row (its largest
+      magnitude; the paper does not say how it scales). ``benchmarks/results/codec_quality/``
+      compares the two. 8 or 2 bits also work (uniform only).
     - ``sync_period``, ``outer_lr``, ``outer_momentum``, ``outer_optimizer``: as ``diloco``.
 
     The schedule counts optimizer steps (``sync_period_unit="steps"``). Fragments are contiguous
@@ -60,6 +67,7 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
             num_fragments``, so that one fragment at most is in flight).
         fragment_update_alpha: mixing weight of the local fragment, in [0, 1] (default 0).
         pseudo_grad_bits: 32, 16, 8, 4 (default) or 2.
+        pseudo_grad_codec: ``"uniform"`` (default) or ``"e3m0"`` (the paper's, with ``pseudo_grad_bits=4``).
         outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs, parallelization_start, reset_sgd_momentum:
             as :class:`DiLoCoStrategy`.
         **kwargs: :class:`~lightning_commstrats.strategies.base.CommStrategy` arguments.
@@ -79,6 +87,7 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
         fragment_sync_delay: int | None = None,
         fragment_update_alpha: float = 0.0,
         pseudo_grad_bits: int = 4,
+        pseudo_grad_codec: str = "uniform",
         outer_optimizer: Any = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
@@ -100,6 +109,7 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
             outer_momentum=outer_momentum,
             outer_optimizer_kwargs=outer_optimizer_kwargs,
             pseudo_grad_bits=pseudo_grad_bits,
+            pseudo_grad_codec=pseudo_grad_codec,
             parallelization_start=parallelization_start,
             reset_sgd_momentum=reset_sgd_momentum,
             num_fragments=num_fragments,

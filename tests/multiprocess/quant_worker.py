@@ -1,7 +1,8 @@
 """One rank of the two-stage quantized all-reduce test: aggregates seeded gradients for a few
 steps and checks every step, bit for bit, against a reference that simulates all ranks locally.
 
-Usage: ``quant_worker.py SPEC_JSON OUT_DIR`` with SPEC ``{"bits": b, "shapes": [...], "steps": T}``.
+Usage: ``quant_worker.py SPEC_JSON OUT_DIR`` with SPEC ``{"bits": b, "codec": "uniform" | "e3m0", "shapes": [...],
+"steps": T}`` (``codec`` optional, uniform by default).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from rank_env import connect, finish
 
-from lightning_commstrats.compression import ColumnCodec, QuantizedAllReduce
+from lightning_commstrats.compression import ColumnCodec, E3M0Codec, QuantizedAllReduce, make_codec
 
 
 def grads_of(rank: int, step: int, shapes: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -25,7 +26,7 @@ def grads_of(rank: int, step: int, shapes: list[list[int]]) -> dict[str, torch.T
 class Reference:
     """All N ranks of the algorithm, simulated in one process, with a plain loop over stripes."""
 
-    def __init__(self, codec: ColumnCodec, world: int) -> None:
+    def __init__(self, codec: ColumnCodec | E3M0Codec, world: int) -> None:
         self.codec, self.world = codec, world
         self.r1: dict = {}
         self.r2: dict = {}
@@ -70,9 +71,9 @@ def main() -> None:
     out_dir = Path(sys.argv[2])
     comm = connect("gloo")
     rank, world = comm.rank, comm.world_size
-    codec = ColumnCodec(spec["bits"])
-    agg = QuantizedAllReduce(codec, comm)
-    ref = Reference(ColumnCodec(spec["bits"]), world)
+    kind = spec.get("codec", "uniform")
+    agg = QuantizedAllReduce(make_codec(kind, spec["bits"]), comm)
+    ref = Reference(make_codec(kind, spec["bits"]), world)
     results = []
     for step in range(spec["steps"]):
         before = comm.stats.bytes_sent

@@ -7,6 +7,8 @@ import pytest
 import torch
 from harness import run_ranks
 
+from lightning_commstrats.compression import ColumnCodec, E3M0Codec
+
 pytestmark = pytest.mark.multiprocess
 
 STEPS = {"sync_period_unit": "steps"}
@@ -25,6 +27,42 @@ def _flat(named):
 
 def _global(state):
     return torch.cat(state["state"]["outer"]["weights"])
+
+
+def _exchange_reference(syncs, codec, world=2):
+    """The averages the quantized pseudo-gradient exchange must return, every rank simulated here:
+    ``syncs[k][r]`` is rank ``r``'s pseudo-gradient at sync ``k``. Matrices go per row (each row one
+    scale set), their rows in ``world`` stripes; rank ``j`` quantizes (its tensor + its residual)
+    stripe by stripe and keeps what was lost; the owner of a stripe sums the ``world`` decoded copies
+    in rank order, adds its own residual, re-quantizes and keeps what that lost; the average is the
+    decoded sum over ``world``. 1-D tensors are plain means."""
+    res1, res2, out = {}, {}, []
+    for by_rank in syncs:
+        avg = {}
+        for name, first in by_rank[0].items():
+            if first.dim() < 2:
+                avg[name] = sum(named[name] for named in by_rank) / world
+                continue
+            rows, width = first.shape[0], first[0].numel()
+            size = -(-rows // world)
+            stripes = [(min(k * size, rows), min((k + 1) * size, rows)) for k in range(world)]
+            sent = {}
+            for j in range(world):
+                v = by_rank[j][name].reshape(rows, width) + res1.get((j, name), 0)
+                for k, (a, b) in enumerate(stripes):
+                    payload, deq = codec.encode(v[a:b].contiguous())
+                    sent[j, k] = payload
+                    v[a:b] -= deq
+                res1[j, name] = v
+            total = torch.empty(rows, width)
+            for k, (a, b) in enumerate(stripes):
+                part = sum(codec.decode(sent[j, k], b - a, width) for j in range(world)) + res2.get((k, name), 0)
+                payload, deq = codec.encode(part)
+                res2[k, name] = part - deq
+                total[a:b] = codec.decode(payload, b - a, width)
+            avg[name] = (total / world).reshape(first.shape)
+        out.append(avg)
+    return out
 
 
 def test_equivalences_bmuf_filter_validation_and_compressed_bytes_on_two_ranks():
@@ -51,6 +89,11 @@ def test_equivalences_bmuf_filter_validation_and_compressed_bytes_on_two_ranks()
             "kwargs": {"sync_period": 4, "pseudo_grad_bits": 4, "small_tensor_numel": 0},
             "record_exchange": True,
             "state_trace": True,
+        },
+        "diloco4_e3m0": {
+            "strategy": "diloco",
+            "kwargs": {"sync_period": 4, "pseudo_grad_bits": 4, "pseudo_grad_codec": "e3m0", "small_tensor_numel": 0},
+            "record_exchange": True,
         },
     }
     results = run_ranks({"scenarios": scenarios}, 2)
@@ -90,22 +133,28 @@ def test_equivalences_bmuf_filter_validation_and_compressed_bytes_on_two_ranks()
 
     # 4-bit pseudo-gradients: the bytes by hand. Two ranks, so each matrix is two stripes of rows
     # (scales per row, the default); a rank sends the other rank's stripe (all-to-all), then its own
-    # re-quantized stripe (all-gather). A stripe's payload: two float32 scales per row + 4 bits per value.
-    w0 = 8 * 4 * 2 + 8 * 32 * 4 // 8  # layer.0.weight [16, 32]: stripes of 8 rows of 32 values
-    w2 = 1 * 4 * 2 + 1 * 16 * 4 // 8  # layer.2.weight [2, 16]: stripes of 1 row of 16 values
+    # re-quantized stripe (all-gather). A stripe's payload: its scales (uniform: lo and hi per row,
+    # E3M0: one per row), float32, then 4 bits per value.
     syncs = 2  # 8 steps, period 4
-    for res in results:
-        stats = res["diloco4"]["stats"]
-        assert stats["weights_quantized/bytes_sent"] == syncs * 2 * (w0 + w2)
-        assert stats["weights/bytes_sent"] == syncs * 2 * 9 * 4  # 18 bias values, fp32 ring: 2 (N-1) ceil(18/N)
-        assert stats.get("grad/bytes_sent", 0) == 0
-    # what travels is the average up to 4-bit quantization, the same on every rank
-    for k in range(2):
-        mine = torch.stack([_flat(r["diloco4"]["exchanges"][k]["mine"]) for r in results]).mean(0)
-        avg = _flat(results[0]["diloco4"]["exchanges"][k]["avg"])
-        assert torch.equal(avg, _flat(results[1]["diloco4"]["exchanges"][k]["avg"]))
-        assert (avg - mine).norm() < 0.3 * mine.norm()
-        assert not torch.equal(avg, mine)  # really quantized
+    for scenario, scales_per_row in (("diloco4", 2), ("diloco4_e3m0", 1)):
+        w0 = 8 * 4 * scales_per_row + 8 * 32 * 4 // 8  # layer.0.weight [16, 32]: stripes of 8 rows of 32 values
+        w2 = 1 * 4 * scales_per_row + 1 * 16 * 4 // 8  # layer.2.weight [2, 16]: stripes of 1 row of 16 values
+        for res in results:
+            stats = res[scenario]["stats"]
+            assert stats["weights_quantized/bytes_sent"] == syncs * 2 * (w0 + w2), scenario
+            assert stats["weights/bytes_sent"] == syncs * 2 * 9 * 4  # 18 bias values, fp32 ring: 2 (N-1) ceil(18/N)
+            assert stats.get("grad/bytes_sent", 0) == 0
+    # what travels is the two-stage quantized average with error feedback, exactly as simulated here,
+    # the same on every rank
+    for scenario, codec in (("diloco4", ColumnCodec(4)), ("diloco4_e3m0", E3M0Codec())):
+        recorded = [r[scenario]["exchanges"] for r in results]
+        assert [e["step"] for e in recorded[0]] == [4, 8]
+        expected = _exchange_reference([[recorded[r][k]["mine"] for r in range(2)] for k in range(2)], codec)
+        for k in range(2):
+            for rank in range(2):
+                _close(recorded[rank][k]["avg"], expected[k], 0.0)
+            mine = torch.stack([_flat(recorded[r][k]["mine"]) for r in range(2)]).mean(0)
+            assert not torch.equal(_flat(expected[k]), mine)  # really quantized
 
 
 def test_streaming_fragments_rotate_and_land_after_the_delay():

@@ -16,6 +16,18 @@ from lightning_commstrats.strategies.periodic import fragment_bounds
         (DiLoCoStrategy, {"pseudo_grad_bits": 3}, r"pseudo_grad_bits=3 is not supported; choose one of \(2, 4, 8"),
         (DiLoCoStrategy, {"pseudo_grad_bits": 1}, "pseudo_grad_bits=1 is not supported"),
         (StreamingDiLoCoStrategy, {"pseudo_grad_bits": 64}, "pseudo_grad_bits=64 is not supported"),
+        (
+            StreamingDiLoCoStrategy,
+            {"pseudo_grad_codec": "fp4"},
+            r"pseudo_grad_codec='fp4' is not supported; choose one of \('uniform', 'e3m0'\)",
+        ),
+        (
+            StreamingDiLoCoStrategy,
+            {"pseudo_grad_codec": "e3m0", "pseudo_grad_bits": 8},
+            "pseudo_grad_codec='e3m0' is a 4-bit format: it needs pseudo_grad_bits=4, got pseudo_grad_bits=8",
+        ),
+        (DiLoCoStrategy, {"pseudo_grad_codec": "e3m0"}, "it needs pseudo_grad_bits=4, got pseudo_grad_bits=32"),
+        (BMUFStrategy, {"pseudo_grad_codec": "e3m0", "pseudo_grad_bits": 2}, "got pseudo_grad_bits=2"),
         (DiLoCoStrategy, {"sync_period": 0}, "sync_period must be a positive int, got 0"),
         (DiLoCoStrategy, {"sync_period_unit": "epochs"}, "sync_period_unit='epochs' is not supported"),
         (
@@ -57,6 +69,8 @@ def test_defaults_are_the_papers():
     assert isinstance(opt, torch.optim.SGD) and (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)
     s = StreamingDiLoCoStrategy()
     assert (s.sync_period, s.num_fragments, s.fragment_sync_delay, s.pseudo_grad_bits) == (100, 4, 5, 4)
+    assert s.pseudo_grad_codec == d.pseudo_grad_codec == "uniform"  # not the paper's E3M0 unless asked
+    assert StreamingDiLoCoStrategy(pseudo_grad_codec="e3m0").pseudo_grad_codec == "e3m0"
     adam = DiLoCoStrategy(outer_optimizer="torch.optim.Adam", outer_lr=0.01).outer_factory()
     assert isinstance(adam([torch.nn.Parameter(torch.zeros(1))]), torch.optim.Adam)
 
