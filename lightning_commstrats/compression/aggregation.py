@@ -18,10 +18,19 @@ into ``N`` stripes of ``ceil(cols / N)`` columns; rank ``k`` owns stripe ``k`` o
 Per rank and step this sends about ``2 (N-1)/N`` of the *quantized* gradient: 1/32 of an fp32 ring
 all-reduce at 1 bit, plus two floats per column and stripe in each stage.
 
+The codec quantizes every line (column) on its own, so a matrix is encoded in one call and its
+payload is cut into the stripes' payloads; the ``N`` copies of a stripe, and the stripes of a
+matrix, are joined back into one payload and decoded in one call. The kernels a step launches thus
+grow with the number of matrices, not with matrices times ranks, and the bytes are those of
+encoding each stripe alone (a stripe of a single line is encoded alone: torch sums one long row in
+parallel pieces, in another order than the rows of a block).
+
 Non-finite values never reach a residual: a rank whose input holds an inf or a NaN sends NaN for
 the affected matrix, so the decoded average is non-finite on every rank (all decode the same
 bytes, so they agree without another message); the new residuals of both stages are kept only when
 every averaged value is finite, otherwise the old ones stay (see :attr:`QuantizedAllReduce.nonfinite`).
+Whether they are is read on the host once per call, for all matrices together (or left on the
+device for the caller, see ``finite_flags``).
 """
 
 from __future__ import annotations
@@ -34,7 +43,12 @@ import torch
 from torch import Tensor
 
 from lightning_commstrats.comm import Communicator
-from lightning_commstrats.compression.quantizers import ColumnCodec
+from lightning_commstrats.compression.quantizers import ColumnCodec, E3M0Codec, pack_bits, packed_bytes, unpack_bits
+
+# Stage 2 decodes the N copies of the stripes it owns before summing them in rank order: at most
+# this many bytes of decoded float32 at a time (and at least one matrix), so the sums of many
+# matrices go in one fused add per rank without holding a decoded copy of the whole model.
+DECODE_GROUP_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -62,12 +76,30 @@ class MatrixLayout:
         stripes = tuple((min(k * width, cols), min((k + 1) * width, cols)) for k in range(world_size))
         return cls(torch.Size(shape), rows, cols, stripes, by_rows)
 
+    def blocks(self) -> list[tuple[int, int, int]]:
+        """The blocks of lines encoded in one call each, as ``(begin, end, stripe width)``: the
+        whole matrix, but a stripe of a single line goes alone (see the module notes)."""
+        stripes = [(c0, c1) for c0, c1 in self.stripes if c1 > c0]
+        if not stripes:
+            return []
+        width = stripes[0][1] - stripes[0][0]
+        if width == 1:
+            return [(c0, c1, 1) for c0, c1 in stripes]
+        last = stripes[-1][0]
+        if self.cols - last == 1:
+            return [(0, last, width), (last, self.cols, 1)]
+        return [(0, self.cols, width)]
+
 
 def column_major(grad: Tensor, layout: MatrixLayout) -> Tensor:
     """A new contiguous float32 ``[lines, values]`` copy of ``grad`` (row ``j`` = line ``j``)."""
-    if layout.by_rows:  # the rows are the lines already
-        return grad.detach().reshape(layout.cols, layout.rows).to(torch.float32, copy=True).contiguous()
-    return grad.detach().reshape(layout.rows, layout.cols).t().to(torch.float32, copy=True).contiguous()
+    lines = (
+        grad.detach().reshape(layout.cols, layout.rows)
+        if layout.by_rows
+        else grad.detach().reshape(layout.rows, layout.cols).t()
+    )
+    # one copy, made contiguous as it is written (a transposed source would otherwise be copied twice)
+    return lines.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def from_lines(lines: Tensor, layout: MatrixLayout) -> Tensor:
@@ -79,7 +111,10 @@ class QuantizedAllReduce:
     """Average named gradients over ranks through two quantized stages with error feedback.
 
     Args:
-        codec: the column quantizer (bits per value).
+        codec: the line quantizer (bits per value). Its payload for a block of lines must be its
+            float32 scale arrays (one value per line each), then the codes packed ``codec.bits``
+            per value in line order, as :class:`~lightning_commstrats.compression.ColumnCodec`'s and
+            :class:`~lightning_commstrats.compression.E3M0Codec`'s are.
         comm: the communicator of the ranks.
         tag: the traffic tag for :class:`~lightning_commstrats.comm.CommStats`.
         by_rows: one scale pair per row of each matrix instead of per column (see :class:`MatrixLayout`).
@@ -90,7 +125,12 @@ class QuantizedAllReduce:
     """
 
     def __init__(
-        self, codec: ColumnCodec, comm: Communicator, tag: str = "grad_quantized", *, by_rows: bool = False
+        self,
+        codec: ColumnCodec | E3M0Codec,
+        comm: Communicator,
+        tag: str = "grad_quantized",
+        *,
+        by_rows: bool = False,
     ) -> None:
         self.codec = codec
         self.by_rows = by_rows
@@ -101,6 +141,7 @@ class QuantizedAllReduce:
         self._layouts: dict[str, MatrixLayout] = {}
         self.nonfinite: list[str] = []  # names whose last average was not finite (residuals then kept)
         self._pending: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._arrays = _scale_arrays(codec)
 
     def layout(self, name: str, shape: torch.Size) -> MatrixLayout:
         lay = self._layouts.get(name)
@@ -108,20 +149,30 @@ class QuantizedAllReduce:
             lay = self._layouts[name] = MatrixLayout.of(shape, self.comm.world_size, self.by_rows)
         return lay
 
-    def __call__(self, grads: Mapping[str, Tensor], *, commit: bool = True) -> dict[str, Tensor]:
+    def __call__(
+        self, grads: Mapping[str, Tensor], *, commit: bool = True, finite_flags: list[Tensor] | None = None
+    ) -> dict[str, Tensor]:
         """Return the average over ranks of each gradient in ``grads`` (same shapes, float32).
 
         The new residuals replace the old ones when every average is finite and ``commit`` is
         True; with ``commit=False`` they wait for :meth:`commit` (a caller whose other tensors
         may still turn out non-finite decides after them).
+
+        Whether the averages are finite is read on the host once (one synchronisation with the
+        device per call). With ``finite_flags`` it is not: one boolean device tensor per gradient
+        (in the order of ``grads``: whether its average is finite) is appended to the list, the
+        new residuals wait (``commit`` must be False), and the caller, having read the flags with
+        its own, calls :meth:`commit` only when all are true (else :meth:`discard`).
         """
+        if finite_flags is not None and commit:
+            raise ValueError("finite_flags leaves the finiteness to the caller: pass commit=False and commit() after")
         n, me = self.comm.world_size, self.comm.rank
         names = list(grads)
         layouts = [self.layout(name, grads[name].shape) for name in names]
 
-        # stage 1: quantize every stripe of (gradient + residual), send stripe k to rank k. What the
-        # quantization loses becomes the new residual, written into ``v`` itself (no extra buffer)
-        # and kept only if the whole average comes out finite.
+        # stage 1: quantize (gradient + residual), each matrix in one call, and send stripe k to
+        # rank k. What the quantization loses becomes the new residual, written into ``v`` itself
+        # (no extra buffer) and kept only if the whole average comes out finite.
         parts: list[list[Tensor]] = [[] for _ in range(n)]
         new_res: dict[str, Tensor] = {}
         for name, lay in zip(names, layouts, strict=True):
@@ -131,12 +182,14 @@ class QuantizedAllReduce:
                 v += res
             # a codec could squash an inf into finite codes: NaN everywhere makes every owner see it
             # (no host synchronisation: the flag stays on the device)
-            v += torch.where(torch.isfinite(v).all(), 0.0, math.nan)
-            for k, (c0, c1) in enumerate(lay.stripes):
-                if c1 > c0:
-                    payload, deq = self.codec.encode(v[c0:c1])
-                    v[c0:c1] -= deq
-                    parts[k].append(payload)
+            v += torch.where(_all_finite(v), 0.0, math.nan)
+            k = 0
+            for c0, c1, width in lay.blocks():
+                payload, deq = self.codec.encode(v[c0:c1])
+                v[c0:c1] -= deq
+                for stripe in self._split(payload, c1 - c0, lay.rows, width):
+                    parts[k] += stripe
+                    k += 1
             new_res[name] = v
         send = torch.cat([p for k in range(n) for p in parts[k]]) if any(parts) else _empty(grads)
         send_splits = [sum(p.numel() for p in parts[k]) for k in range(n)]
@@ -144,24 +197,7 @@ class QuantizedAllReduce:
         recv = self.comm.all_to_all(send, send_splits, [sum(mine)] * n, tag=self.tag)
 
         # stage 2: sum the N copies of my stripes, quantize the sum (+ residual), all-gather
-        chunks = recv.split([sum(mine)] * n)
-        out2: list[Tensor] = []
-        new_res2: dict[str, Tensor] = {}
-        for i, (name, lay) in enumerate(zip(names, layouts, strict=True)):
-            c0, c1 = lay.stripes[me]
-            if c1 == c0:
-                continue
-            offset = sum(mine[:i])
-            total = torch.zeros(c1 - c0, lay.rows, dtype=torch.float32, device=recv.device)
-            for chunk in chunks:
-                total += self.codec.decode(chunk[offset : offset + mine[i]], c1 - c0, lay.rows)
-            res2 = self.residuals2.get(name)
-            if res2 is not None and res2.shape == total.shape:
-                total += res2
-            payload, deq = self.codec.encode(total)
-            total -= deq
-            new_res2[name] = total
-            out2.append(payload)
+        new_res2, out2 = self._reduce_mine(recv.view(n, sum(mine)), names, layouts, mine)
         sizes = [sum(self._payload(lay, k) for lay in layouts) for k in range(n)]
         longest = max(sizes)
         gather = torch.zeros(longest, dtype=torch.uint8, device=recv.device)
@@ -170,33 +206,120 @@ class QuantizedAllReduce:
             gather[: own.numel()] = own
         everything = self.comm.all_gather(gather, tag=self.tag)
 
-        # every rank decodes the same bytes
-        result: dict[str, Tensor] = {}
-        cm = {
-            name: torch.empty(lay.cols, lay.rows, dtype=torch.float32, device=recv.device)
-            for name, lay in zip(names, layouts, strict=True)
-        }
-        for k in range(n):
-            offset = 0
-            for name, lay in zip(names, layouts, strict=True):
-                c0, c1 = lay.stripes[k]
+        # every rank decodes the same bytes: the stripes of each matrix joined into one payload
+        pieces: list[Tensor] = []
+        offsets = [0] * n
+        for lay in layouts:
+            stripes, lines = [], []
+            for k, (c0, c1) in enumerate(lay.stripes):
                 size = self._payload(lay, k)
                 if size:
-                    cm[name][c0:c1] = self.codec.decode(everything[k, offset : offset + size], c1 - c0, lay.rows)
-                offset += size
+                    stripes.append(everything[k, offsets[k] : offsets[k] + size])
+                    lines.append(c1 - c0)
+                offsets[k] += size
+            if stripes:
+                pieces += self._join(stripes, lines, lay.rows)
+        whole = [self.codec.payload_bytes(lay.cols, lay.rows) for lay in layouts if lay.cols]
+        payloads = iter(torch.cat(pieces).split(whole) if pieces else [])
+        result: dict[str, Tensor] = {}
+        flags: list[Tensor] = []
         for name, lay in zip(names, layouts, strict=True):
-            result[name] = from_lines(cm[name].div_(n), lay)
-        # one host synchronisation for all matrices; every rank decoded the same bytes, so all agree
-        finite = torch.stack([torch.isfinite(m).all() for m in cm.values()]).all() if cm else None
+            if lay.cols:
+                lines = self.codec.decode(next(payloads), lay.cols, lay.rows).div_(n)
+            else:
+                lines = torch.empty(0, lay.rows, dtype=torch.float32, device=recv.device)
+            result[name] = from_lines(lines, lay)
+            flags.append(_all_finite(lines))
+
         self._pending = None
-        if finite is None or bool(finite):
+        if finite_flags is not None:
+            finite_flags.extend(flags)
             self.nonfinite = []
+            self._pending = (new_res, new_res2)
+            return result
+        # the call's one host synchronisation; every rank decoded the same bytes, so all agree
+        finite = torch.stack(flags).tolist() if flags else []
+        self.nonfinite = [name for name, ok in zip(names, finite, strict=True) if not ok]
+        if not self.nonfinite:
             self._pending = (new_res, new_res2)
             if commit:
                 self.commit()
-        else:
-            self.nonfinite = [name for name in names if not bool(torch.isfinite(cm[name]).all())]
         return result
+
+    def _reduce_mine(
+        self, recv: Tensor, names: list[str], layouts: list[MatrixLayout], mine: list[int]
+    ) -> tuple[dict[str, Tensor], list[Tensor]]:
+        """Stage 2 on ``recv`` (``[N, my bytes]``: what each rank sent me): for each matrix, the sum
+        over ranks of the decoded copies of my stripe plus my stage-2 residual, quantized. Returns
+        the new stage-2 residuals and the payloads to all-gather, in the order of ``names``."""
+        n = self.comm.world_size
+        owned: list[tuple[str, int, int]] = []  # name, lines of my stripe, values per line
+        pieces: list[Tensor] = []
+        offset = 0
+        for name, lay, size in zip(names, layouts, mine, strict=True):
+            if size:
+                c0, c1 = lay.stripes[self.comm.rank]
+                owned.append((name, c1 - c0, lay.rows))
+                pieces += self._join(list(recv[:, offset : offset + size].unbind(0)), [c1 - c0] * n, lay.rows)
+            offset += size
+        if not owned:
+            return {}, []
+        payloads = torch.cat(pieces).split([self.codec.payload_bytes(n * c, rows) for _, c, rows in owned])
+        totals: list[Tensor] = []
+        group: list[Tensor] = []
+        group_bytes = 0
+        for (_, c, rows), payload in zip(owned, payloads, strict=True):
+            if group and group_bytes + n * c * rows * 4 > DECODE_GROUP_BYTES:
+                totals += _sum_in_rank_order(group)
+                group, group_bytes = [], 0
+            group.append(self.codec.decode(payload, n * c, rows).view(n, c, rows))
+            group_bytes += n * c * rows * 4
+        totals += _sum_in_rank_order(group)
+        with_res2 = [
+            (total, self.residuals2[name])
+            for (name, _, _), total in zip(owned, totals, strict=True)
+            if name in self.residuals2 and self.residuals2[name].shape == total.shape
+        ]
+        if with_res2:
+            torch._foreach_add_([t for t, _ in with_res2], [r for _, r in with_res2])
+        new_res2: dict[str, Tensor] = {}
+        out: list[Tensor] = []
+        for (name, _, _), total in zip(owned, totals, strict=True):
+            payload, deq = self.codec.encode(total)
+            total -= deq
+            new_res2[name] = total
+            out.append(payload)
+        return new_res2, out
+
+    def _split(self, payload: Tensor, lines: int, rows: int, width: int) -> list[list[Tensor]]:
+        """Cut the payload of a block of ``lines`` lines into the payloads of its stripes of
+        ``width`` lines (the last may be shorter): each as pieces (views where the codes of a stripe
+        start on a byte) whose concatenation is what encoding the stripe alone gives."""
+        bits, arrays = self.codec.bits, self._arrays
+        starts = range(0, lines, width)
+        ends = [min(s + width, lines) for s in starts]
+        codes = payload[arrays * 4 * lines :]
+        if width * rows * bits % 8 == 0:  # every stripe's codes start on a byte
+            code_parts = [
+                codes[s * rows * bits // 8 : s * rows * bits // 8 + packed_bytes((e - s) * rows, bits)]
+                for s, e in zip(starts, ends, strict=True)
+            ]
+        else:
+            code_parts = _restripe(codes, bits, lines, rows, width)
+        return [
+            [payload[a * 4 * lines + 4 * s : a * 4 * lines + 4 * e] for a in range(arrays)] + [code]
+            for s, e, code in zip(starts, ends, code_parts, strict=True)
+        ]
+
+    def _join(self, stripes: list[Tensor], lines: list[int], rows: int) -> list[Tensor]:
+        """The inverse of :meth:`_split`: pieces whose concatenation is the payload of the block made
+        of the consecutive ``stripes`` (payloads of ``lines`` lines each), as encoding it whole gives."""
+        bits, arrays = self.codec.bits, self._arrays
+        scales = [s[a * 4 * c : (a + 1) * 4 * c] for a in range(arrays) for s, c in zip(stripes, lines, strict=True)]
+        codes = [s[arrays * 4 * c :] for s, c in zip(stripes, lines, strict=True)]
+        if all(c * rows * bits % 8 == 0 for c in lines[:-1]):
+            return scales + codes
+        return [*scales, _unstripe(codes, bits, lines, rows)]
 
     def commit(self) -> None:
         """Keep the residuals of the last call (only ever finite ones; a no-op after a non-finite call)."""
@@ -234,6 +357,72 @@ class QuantizedAllReduce:
         """Forget both residuals (they restart at zero)."""
         self.residuals.clear()
         self.residuals2.clear()
+
+
+def _scale_arrays(codec: ColumnCodec | E3M0Codec) -> int:
+    """How many float32 arrays (one value per line) open the codec's payload; ``ValueError`` when the
+    payload is not those arrays followed by the codes packed ``codec.bits`` per value."""
+    arrays, rest = divmod(codec.payload_bytes(1, 8) - packed_bytes(8, codec.bits), 4)
+    for lines, rows in ((1, 8), (3, 5), (7, 3)):
+        if rest or codec.payload_bytes(lines, rows) != 4 * arrays * lines + packed_bytes(lines * rows, codec.bits):
+            raise ValueError(
+                f"{type(codec).__name__}'s payload is not float32 scales per line followed by packed codes"
+            )
+    return arrays
+
+
+def _all_finite(t: Tensor) -> Tensor:
+    """Whether every value of ``t`` is finite, as a boolean device tensor: whether its least and
+    largest values are (a NaN anywhere is both), without the float32 copy ``isfinite`` would make."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
+
+
+def _sum_in_rank_order(decoded: list[Tensor]) -> list[Tensor]:
+    """For each ``[N, lines, values]`` tensor, ``0 + d[0] + d[1] + ... + d[N-1]`` in this order (as a
+    loop over ranks would add them, bit for bit), with one fused add per rank for all of them."""
+    if not decoded:
+        return []
+    # 0 + x, as adding to zeros does: a -0.0 becomes +0.0
+    totals = torch._foreach_add([d[0] for d in decoded], 0.0)
+    for k in range(1, decoded[0].shape[0]):
+        torch._foreach_add_(totals, [d[k] for d in decoded])
+    return list(totals)
+
+
+def _restripe(codes: Tensor, bits: int, lines: int, rows: int, width: int) -> list[Tensor]:
+    """The packed codes of a block of ``lines`` lines, repacked stripe by stripe (``width`` lines,
+    the last may be shorter), each stripe's codes from the first bit of a byte, zero-padded."""
+    per_byte = 8 // bits
+    flat = unpack_bits(codes, bits, lines * rows)
+    full, span = lines // width, width * rows
+    out: list[Tensor] = []
+    if full:
+        padded = flat.new_zeros(full, -(-span // per_byte) * per_byte)
+        padded[:, :span] = flat[: full * span].view(full, span)
+        out += pack_bits(padded, bits).view(full, -1).unbind(0)
+    if lines % width:
+        out.append(pack_bits(flat[full * span :], bits))
+    return out
+
+
+def _unstripe(codes: list[Tensor], bits: int, lines: list[int], rows: int) -> Tensor:
+    """The inverse of :func:`_restripe`: the codes of consecutive stripes (each zero-padded to a
+    byte) packed as one run."""
+    per_byte = 8 // bits
+    runs: list[Tensor] = []
+    i = 0
+    while i < len(codes):  # consecutive stripes of equal size are unpacked together
+        j = i
+        while j < len(codes) and lines[j] == lines[i]:
+            j += 1
+        run = torch.cat(codes[i:j]) if j - i > 1 else codes[i]
+        size = codes[i].numel()
+        flat = unpack_bits(run, bits, (j - i) * size * per_byte).view(j - i, size * per_byte)
+        runs.append(flat[:, : lines[i] * rows].reshape(-1))
+        i = j
+    return pack_bits(torch.cat(runs) if len(runs) > 1 else runs[0], bits)
 
 
 def _empty(grads: Mapping[str, Tensor]) -> Tensor:

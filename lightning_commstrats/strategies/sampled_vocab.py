@@ -7,11 +7,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.compression import batch_token_ids, most_frequent, random_rows, resolve_count, union
+from lightning_commstrats.compression import most_frequent, random_rows, resolve_count
 from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.models.base import declared_vocabulary
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
@@ -25,6 +26,10 @@ class SampledVocabStrategy(AllReduceStrategy):
 
     Stores the frequent-word set, the sampling seed, and with error feedback every rank's unsent
     rows (checkpointed per rank); the last step's selection is ``last_rows``.
+
+    A step reads device memory on the host three times, for what only the data says: how many
+    distinct words this rank saw, how many every rank saw (the lengths of the all-gather), and how
+    many rows that makes.
 
     Every step, for the vocabulary matrices of a language model (input embedding, output
     projection and its bias; one matrix when tied):
@@ -118,12 +123,12 @@ class SampledVocabStrategy(AllReduceStrategy):
         self.error_feedback = error_feedback
         self.word_counts = word_counts
         self.seed = seed
-        self.last_rows: Tensor | None = None
+        self._last_rows: Tensor | None = None
         self._vocab: list[torch.nn.Parameter] = []
         self._vocab_size = 0
         self._beta = 0
         self._alpha_ids: Tensor | None = None
-        self._batch_ids: list[Tensor] = []
+        self._seen: Tensor | None = None  # [V + 1] booleans: the words of this step's minibatches (V: none)
         self._residuals: dict[str, Tensor] = {}
         self._frozen: list[tuple[torch.nn.Parameter, Tensor, Tensor]] = []
 
@@ -173,16 +178,39 @@ class SampledVocabStrategy(AllReduceStrategy):
 
     # ------------------------------------------------------------------ the step
 
+    @property
+    def last_rows(self) -> Tensor | None:
+        """The last step's ``V_all``: sorted word ids on the CPU (``None`` before the first step)."""
+        return None if self._last_rows is None else self._last_rows.cpu()
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._vocab_size:
-            self._batch_ids.append(batch_token_ids(batch, self._vocab_size))
+        if self._vocab_size and self.world_size > 1:
+            self._mark_words(batch)
+
+    def _mark_words(self, batch: Any) -> None:
+        """Mark the word ids of every integer tensor of ``batch`` (those in ``[0, V)``; others, such as
+        ignored targets, mark the extra entry ``V``): no shape depends on the data, so the host never
+        waits for the device here."""
+        v, seen = self._vocab_size, self._words_seen()
+
+        def mark(t: Tensor) -> Tensor:
+            if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+                ids = t.reshape(-1).to(seen.device, torch.int64)
+                seen[torch.where((ids >= 0) & (ids < v), ids, v)] = True
+            return t
+
+        apply_to_collection(batch, Tensor, mark)
+
+    def _words_seen(self) -> Tensor:
+        if self._seen is None:
+            self._seen = torch.zeros(self._vocab_size + 1, dtype=torch.bool, device=self.root_device)
+        return self._seen
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
         if self.world_size == 1:
-            self._batch_ids.clear()
             return
         params = trainable_params(optimizer)
         vocab_ids = {id(p) for p in self._vocab}
@@ -192,17 +220,29 @@ class SampledVocabStrategy(AllReduceStrategy):
             self._exchange_rows(vocab)
 
     def select_rows(self) -> Tensor:
-        """This step's ``V_all``, identical on every rank (one all-gather of the word ids)."""
-        local = union(*self._batch_ids) if self._batch_ids else torch.empty(0, dtype=torch.int64)
-        self._batch_ids.clear()
-        parts = self.comm.all_gather_uneven(local.to(self.root_device, torch.int32), tag="vocab_ids")
-        beta = random_rows(self._vocab_size, self._beta, self.seed, self.optimizer_steps)
+        """This step's ``V_all``, sorted, identical on every rank (one all-gather of the word ids)."""
+        return self._select()[0]
+
+    def _select(self) -> tuple[Tensor, Tensor]:
+        """``V_all`` (sorted ids) and the mask of the words it holds."""
+        v, seen = self._vocab_size, self._words_seen()
+        local = seen[:v].nonzero().squeeze(1)  # this rank's distinct words, ascending
+        seen.zero_()
+        parts = self.comm.all_gather_uneven(local.to(torch.int32), tag="vocab_ids")
         assert self._alpha_ids is not None
-        return union(self._alpha_ids, beta, *parts)
+        chosen = torch.zeros(v, dtype=torch.bool, device=seen.device)
+        chosen[self._alpha_ids] = True
+        beta = random_rows(v, self._beta, self.seed, self.optimizer_steps)
+        if chosen.device.type == "cuda":  # copied from pinned memory, the host does not wait for the device
+            beta = beta.pin_memory()
+        chosen[beta.to(chosen.device, non_blocking=True)] = True
+        for part in parts:
+            chosen[part.long()] = True
+        return chosen.nonzero().squeeze(1), chosen
 
     def _exchange_rows(self, vocab: list[torch.nn.Parameter]) -> None:
-        rows = self.select_rows()
-        self.last_rows = rows.cpu()
+        rows, chosen = self._select()
+        self._last_rows = rows
         grads = [dense_grad(p) for p in vocab]
         if self.error_feedback:
             for p, g in zip(vocab, grads, strict=True):
@@ -212,8 +252,10 @@ class SampledVocabStrategy(AllReduceStrategy):
         widths = [g[0].numel() for g in grads]
         packed = torch.cat([g[rows].reshape(rows.numel(), -1).float() for g in grads], dim=1).reshape(-1)
         averaged = self.comm.all_reduce(packed, "avg", tag="vocab_rows").view(rows.numel(), -1).split(widths, dim=1)
-        unselected = torch.ones(self._vocab_size, dtype=torch.bool, device=rows.device)
-        unselected[rows] = False
+        # the rows not exchanged, which no rank updates: the host knows how many, so their ids
+        # come without waiting for the device
+        frozen = self._vocab_size - rows.numel()
+        still = torch.nonzero_static(~chosen, size=frozen).squeeze(1) if frozen else None
         self._frozen = []
         for p, g, new in zip(vocab, grads, averaged, strict=True):
             if self.error_feedback:
@@ -222,15 +264,15 @@ class SampledVocabStrategy(AllReduceStrategy):
                 self._residuals[self.param_name(p)] = res
             g.zero_()
             g[rows] = new.reshape(-1, *g.shape[1:]).to(g.dtype)
-            if unselected.any():
-                self._frozen.append((p, unselected, p.detach()[unselected].clone()))
+            if still is not None:
+                self._frozen.append((p, still, p.detach().index_select(0, still)))
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         super().after_optimizer_step(optimizer)
         with torch.no_grad():
-            for p, unselected, saved in self._frozen:
-                p[unselected] = saved
+            for p, still, saved in self._frozen:
+                p.index_copy_(0, still, saved)
         self._frozen = []
 
     # ------------------------------------------------------------------ checkpointed state
