@@ -11,7 +11,8 @@ start point. Which outer optimizer makes which scheme:
 
 - model averaging: ``torch.optim.SGD(lr=1, momentum=0)``: ``w = w_start - G = mean(w_local)``;
 - DiLoCo (Douillard et al. 2023): ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``;
-- BMUF (Chen & Huo 2016): :class:`BlockMomentum`, the block-momentum filter;
+- BMUF (Chen & Huo 2016): :class:`BlockMomentum`, the block-momentum filter as the paper writes
+  it, or :class:`CNTKBlockMomentum`, as CNTK's ``BlockMomentumSGD`` computes it;
 - any other ``torch.optim.Optimizer`` (Adam as the outer optimizer, say) by class.
 
 :class:`OuterOptimizer` holds the global copy as one flat float32 tensor per *fragment* (one
@@ -36,8 +37,9 @@ OuterFactory = Callable[[list[Parameter]], Optimizer]
 
 
 def block_momentum_from_time_constant(time_constant: float, sync_period: float) -> float:
-    """``exp(-sync_period / time_constant)``: the block momentum of a given time constant (CNTK's
-    ``blockMomentumAsTimeConstant``), both in the same unit (samples or steps)."""
+    """``exp(-sync_period / time_constant)``: the block momentum of a given time constant, both in
+    the same unit (samples or steps, both per worker or both over all workers: CNTK's
+    ``blockMomentumAsTimeConstant`` and ``blockSize`` count samples over all workers)."""
     if not time_constant > 0:
         raise ValueError(f"block_momentum_as_time_constant must be > 0, got {time_constant}")
     return math.exp(-sync_period / time_constant)
@@ -61,7 +63,9 @@ class BlockMomentum(Optimizer):
 
     ``momentum=0, lr=1, nesterov=False`` returns ``w_avg``: plain model averaging. The look-ahead
     point is only where the workers start; validation and checkpoints use ``w_global``
-    (:meth:`start_point` versus the parameter itself).
+    (:meth:`start_point` versus the parameter itself). CNTK's ``BlockMomentumSGD`` with block
+    learning rate ``blr`` over ``N`` workers is this filter with ``lr = N * (1 - eta) * blr`` without
+    Nesterov; with Nesterov its trajectory differs (:class:`CNTKBlockMomentum`).
 
     Args:
         params: the global model's tensors.
@@ -99,6 +103,68 @@ class BlockMomentum(Optimizer):
         if not group["nesterov"] or delta is None:
             return p
         return p + group["momentum"] * delta
+
+
+class CNTKBlockMomentum(Optimizer):
+    """BMUF as CNTK's ``BlockMomentumSGD`` computes it, as an optimizer over the one model CNTK keeps.
+
+    CNTK keeps no separate global model: the parameter is the point every block starts from,
+    ``w_start`` (CNTK's ``prevParameters``, also the model it validates and saves). Its gradient is
+    the averaged pseudo-gradient ``G = w_start - w_avg`` of the block that just ended; CNTK sums the
+    workers' block gradients ``w_start - w_local`` instead of averaging them, which is ``N G``. With
+    ``bm = momentum``, ``blr = lr``, ``sg`` CNTK's block-level smoothed gradient::
+
+        sg      = bm * sg + (1 - bm) * blr * N * G
+        w_start = w_start - sg                         (classical block momentum)
+        w_start = w_start - sg - bm * sg               (Nesterov, CNTK's default)
+
+    The filter's gain is ``(1 - bm) * blr * N`` (1 with CNTK's defaults ``bm = 1 - 1/N``,
+    ``blr = 1``). Without Nesterov it equals :class:`BlockMomentum` with
+    ``lr = N * (1 - bm) * blr``. With Nesterov the two differ from the second block on: CNTK's
+    look-ahead ``- bm * sg`` stays in the model and the next update lands on top of it, whereas the
+    paper's form steps ``w_global`` and starts each block at ``w_global + bm * delta``. Workers that
+    move one unit per block from wherever they start, at ``N = 4`` with the defaults, start blocks
+    at 1.75, 4.8125, 8.859375 here and at 1.75, 4.0625, 6.796875 in the paper's form.
+
+    Args:
+        params: the model's tensors (the start point of the next block).
+        lr: CNTK's ``blockLearningRate`` > 0.
+        momentum: the block momentum in [0, 1).
+        nesterov: CNTK's ``useNesterovMomentum``.
+        workers: ``N``, the number of workers whose block gradients CNTK sums (>= 1).
+    """
+
+    def __init__(
+        self, params: Any, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = True, workers: int = 1
+    ) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"block_momentum must be in [0, 1), got {momentum}")
+        if not lr > 0:
+            raise ValueError(f"block_learning_rate must be > 0, got {lr}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "workers": workers})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("CNTKBlockMomentum.step takes no closure")
+        for group in self.param_groups:
+            bm, gain = group["momentum"], (1.0 - group["momentum"]) * group["lr"] * group["workers"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                sg = self.state[p].get("smoothed_gradient")
+                if sg is None:
+                    sg = self.state[p]["smoothed_gradient"] = torch.zeros_like(p)
+                sg.mul_(bm).add_(p.grad, alpha=gain)
+                p.sub_(sg)
+                if group["nesterov"]:
+                    p.sub_(sg, alpha=bm)
+
+    def start_point(self, p: Tensor) -> Tensor:
+        """Where the next block of ``p`` starts: ``p`` itself (CNTK keeps no other model)."""
+        return p
 
 
 def resolve_outer_optimizer(

@@ -72,6 +72,7 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     def average_pseudo_gradient(self, named: dict[str, torch.Tensor]) -> list[str]:
         if self.pseudo_grad_bits < 32:
             return super().average_pseudo_gradient(named)
+        self.weigh_by_samples(named)  # weighting="samples": CNTK's weights, one count all-reduced
         for t in named.values():  # contiguous slices of one buffer: mpi4py takes each as it is
             self.comm.all_reduce(t, "avg", tag="weights")
         # every rank holds the same averages: the same answer everywhere, one host sync

@@ -21,16 +21,21 @@ Two modes:
   ran the optimizer itself and sent the weights back would move the same bytes; running it on every
   worker keeps the user's optimizer, whatever it is, as the one that steps.)
 - ``mode="async"`` (CNTK's ``DataParallelASGD``): every ``sync_period`` samples or steps a worker
-  pushes ``delta = w_local - w_base`` (its progress since it last received the model), the server
+  pushes ``delta = w_local - w_base`` (its progress since the model it continued from), the server
   adds it to the global model at once, without waiting for anyone, and replies with the global
   model, which the worker continues from. A slow worker slows only itself; its deltas arrive stale.
-  CNTK's staleness control scales the pushed delta by a coefficient that grows over the first syncs
-  (``adjust_learning_rate="linear"``: from ``adjust_coefficient`` to 1 over ``adjust_nb_minibatch``
-  syncs; ``"staircase"``: by steps of ``adjust_coefficient`` every ``adjust_nb_minibatch`` syncs).
-  With ``pipeline=True`` (CNTK's ``usePipeline``) the reply is not waited for: the worker keeps
-  training, and at its next sync rebases the progress it made meanwhile onto the model it received
-  (``w_local <- w_pulled + (w_local - w_pushed)``), so the round trip hides behind a period of
-  compute at the price of one more period of staleness.
+  CNTK's staleness control scales the pushed delta by a coefficient that grows over the first syncs:
+  at a worker's ``k``-th push (``k = 1, 2, ...``, as CNTK counts) the factor is
+  ``min(1, c + (1 - c) k / n)`` (``adjust_learning_rate="linear"``) or ``min(1, c (floor(k / n) + 1))``
+  (``"staircase"``), ``c = adjust_coefficient``, ``n = adjust_nb_minibatch``. The global model is
+  the initial one plus the sum of every push, each scaled by its factor. With ``pipeline=True`` the
+  reply is not waited for: the worker keeps training and applies the reply at its next sync, so the
+  round trip hides behind a period of compute at the price of one more period of staleness. Where
+  it then continues from (``pipeline_start``): ``"rebase"`` (default) the received model plus the
+  progress made since the push, ``w_local <- w_pulled + (w_local - w_base)``; ``"pulled"`` the
+  received model alone, CNTK's ``usePipeline`` (its double buffer: the model swapped in at a sync
+  is the one pulled at the previous sync, and the progress just pushed comes back with the next
+  reply). ``"rebase"`` keeps a worker's own progress in its weights a period earlier.
 
 In async mode every rank meets the others only where Lightning makes them meet: validation during
 fit, a checkpoint, and the end of fit. There each worker pushes what it has left, all wait for each
@@ -82,6 +87,7 @@ log = logging.getLogger(__name__)
 
 PS_MODES = ("sync", "async")
 ADJUST_MODES = ("none", "linear", "staircase")
+PIPELINE_STARTS = ("rebase", "pulled")
 RPC_NAME = "commstrats-ps-{}"
 
 
@@ -180,7 +186,9 @@ def shard_bounds(numel: int, num_servers: int) -> list[tuple[int, int]]:
 
 
 def adjust_factor(kind: str, coefficient: float, period: int, syncs: int) -> float:
-    """CNTK's ``AdjustLearningRateAtBeginning`` factor after ``syncs`` synchronisations of a worker."""
+    """CNTK's ``AdjustLearningRateAtBeginning`` factor (its ``DecayCoefficient``) at a worker's
+    ``syncs``-th push, counted from 1 as CNTK counts (its counter is incremented before the factor
+    is read)."""
     if kind == "linear":
         return min(1.0, max(0.0, coefficient + (1 - coefficient) / period * syncs))
     if kind == "staircase":
@@ -280,11 +288,13 @@ class ParameterServerStrategy(CommStrategy):
             (sync mode exchanges every step and takes only 1).
         sync_period_unit: ``"samples"`` (per worker, CNTK's unit; each worker counts its own: async
             workers never agree on anything) or ``"steps"`` (optimizer steps).
-        pipeline: async mode: do not wait for the reply; apply it at the next sync (CNTK's
-            ``usePipeline``).
+        pipeline: async mode: do not wait for the reply; apply it at the next sync.
+        pipeline_start: with ``pipeline=True``, where a worker continues from at a sync:
+            ``"rebase"`` (default: the model received for its previous push plus the progress it
+            made since) or ``"pulled"`` (that model alone: CNTK's ``usePipeline``).
         adjust_learning_rate: async mode: ``"none"``, ``"linear"`` or ``"staircase"`` (CNTK's
             ``AdjustLearningRateAtBeginning``): the pushed progress is scaled by a factor that
-            grows from ``adjust_coefficient`` to 1 over the first syncs.
+            grows from about ``adjust_coefficient`` to 1 over the first syncs (the formulas above).
         adjust_coefficient: the starting factor (and the staircase's step), in (0, 1].
         adjust_nb_minibatch: syncs over which the factor grows (linear) or per stair (staircase), >= 1.
         rpc_transports: TensorPipe transports to use (e.g. ``["uv"]``: TCP only, also between
@@ -308,6 +318,7 @@ class ParameterServerStrategy(CommStrategy):
         sync_period: int = 1,
         sync_period_unit: str = "steps",
         pipeline: bool = False,
+        pipeline_start: str = "rebase",
         adjust_learning_rate: str = "none",
         adjust_coefficient: float = 0.2,
         adjust_nb_minibatch: int = 600,
@@ -323,6 +334,10 @@ class ParameterServerStrategy(CommStrategy):
         check_period(sync_period, sync_period_unit)
         if not isinstance(pipeline, bool):
             raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
+        if pipeline_start not in PIPELINE_STARTS:
+            raise ValueError(f"pipeline_start={pipeline_start!r} is not supported; choose one of {PIPELINE_STARTS}")
+        if pipeline_start != "rebase" and not pipeline:
+            raise ValueError(f"pipeline_start={pipeline_start!r} applies to pipeline=True")
         if adjust_learning_rate not in ADJUST_MODES:
             raise ValueError(
                 f"adjust_learning_rate={adjust_learning_rate!r} is not supported; choose one of {ADJUST_MODES}"
@@ -365,6 +380,7 @@ class ParameterServerStrategy(CommStrategy):
         self.sync_period = sync_period
         self.sync_period_unit = sync_period_unit
         self.pipeline = pipeline
+        self.pipeline_start = pipeline_start
         self.adjust_learning_rate = adjust_learning_rate
         self.adjust_coefficient = float(adjust_coefficient)
         self.adjust_nb_minibatch = adjust_nb_minibatch
@@ -603,11 +619,16 @@ class ParameterServerStrategy(CommStrategy):
             self.handle_nonfinite(names, "progress", everywhere=False)
             progress.zero_()
             local = self._base.clone()
-        if self._inflight is not None:  # the reply to the previous push: rebase onto it
+        if self._inflight is not None:  # the reply to the previous push: continue from it
             pulled = self._assemble(self._wait(self._inflight, "weights"))
             self._inflight = None
-            local = pulled + progress
-        factor = adjust_factor(self.adjust_learning_rate, self.adjust_coefficient, self.adjust_nb_minibatch, self.syncs)
+            local = pulled if self.pipeline_start == "pulled" else pulled + progress
+        elif pipelined and self.pipeline_start == "pulled":
+            local = self._base  # no push in flight: the last model received is the base
+        # the factor of this push, the (syncs + 1)-th
+        factor = adjust_factor(
+            self.adjust_learning_rate, self.adjust_coefficient, self.adjust_nb_minibatch, self.syncs + 1
+        )
         futures = self._push_pull("delta", progress.mul_(factor) if factor != 1 else progress, "weights")
         self.syncs += 1
         if pipelined:

@@ -1,5 +1,7 @@
 """`parameter_server` on real ranks over torch.distributed.rpc: sync mode is synchronous SGD with
-the server's bytes; async mode lets a fast worker run past a slow one; checkpoints resume."""
+the server's bytes; async mode is CNTK's arithmetic push by push (the progress, its adjustment
+factor, where a worker continues, the server's sum), with no worker waiting for another;
+checkpoints resume."""
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ pytestmark = pytest.mark.multiprocess
 
 K = 32 * 16 + 16 + 16 * 2 + 2  # the worker's Mlp: 562 parameter values
 F32 = 4
+STEPS = {"sync_period_unit": "steps"}
 
 
 def _max_diff(a, b):
@@ -44,45 +47,108 @@ def test_sync_mode_trains_to_the_allreduce_weights_and_each_rank_sends_what_a_se
     assert [r["one_server"]["stats"]["steps"] for r in results] == [steps] * world
 
 
-def test_async_mode_runs_past_a_slowed_rank_while_sync_mode_waits_for_it():
-    slow = [1, 0.25]  # rank 1 sleeps 0.25 s after every batch
+def _cntk_factor(kind, coefficient, per, k):
+    """CNTK's DecayCoefficient (AdjustLearningRateAtBeginning) at a worker's k-th push: its counter
+    (m_parameterSyncCounter) is incremented before the factor is read, so the first push has k = 1."""
+    if kind == "linear":
+        return min(1.0, max(0.0, coefficient + (1 - coefficient) / per * k))
+    if kind == "staircase":
+        return min(1.0, max(0.0, coefficient * (k // per + 1)))
+    return 1.0
+
+
+def _seen(reply, w0, own, other):
+    """How many of the other worker's pushes the server had added when it replied: the server adds
+    every push to its model at once, so a reply is the initial model plus this worker's pushes so
+    far plus a prefix of the other's. Returns that prefix's length (and raises if none fits)."""
+    rest = reply.double() - w0 - sum(own, torch.zeros_like(w0))
+    errors = [(rest - sum(other[:m], torch.zeros_like(w0))).abs().max().item() for m in range(len(other) + 1)]
+    m = min(range(len(errors)), key=errors.__getitem__)
+    assert errors[m] < 1e-5, errors
+    return m
+
+
+def test_async_arithmetic_is_cntk_s_push_by_push_and_no_worker_waits_for_another():
+    # rank 1 starts its first batch only once rank 0 has ended its training loop: if a worker
+    # waited for another, the run could not finish. The order of the pushes is then known.
     steps = 8
-    common = {"devices": 2, "max_steps": steps, "slow_rank": slow, "strategy": "parameter_server"}
+    common = {"devices": 2, "max_steps": steps, "strategy": "parameter_server", "record_pushes": True, "hold": [1, 0]}
+    adjust = {"adjust_learning_rate": "linear", "adjust_coefficient": 0.5, "adjust_nb_minibatch": 4}
     scenarios = {
-        "sync": common,
-        "async": {**common, "kwargs": {"mode": "async", "sync_period": 1, "sync_period_unit": "steps"}},
-        "pipelined": {
+        "async": {**common, "kwargs": {"mode": "async", "sync_period": 1, **STEPS, **adjust}},
+        "pipelined": {**common, "kwargs": {"mode": "async", "sync_period": 2, **STEPS, "pipeline": True, **adjust}},
+        "pipelined_cntk": {
             **common,
             "kwargs": {
                 "mode": "async",
                 "sync_period": 2,
-                "sync_period_unit": "steps",
+                **STEPS,
                 "pipeline": True,
-                "adjust_learning_rate": "linear",
-                "adjust_coefficient": 0.5,
-                "adjust_nb_minibatch": 4,
+                "pipeline_start": "pulled",
+                "adjust_learning_rate": "staircase",
+                "adjust_coefficient": 0.25,
+                "adjust_nb_minibatch": 2,
             },
         },
     }
+    # sync mode with a slowed rank: the fast one waits for each of the slow one's gradients, at
+    # least 7 of its 0.25 s sleeps (a bound, whatever the load on the machine)
+    scenarios["sync"] = {"devices": 2, "max_steps": steps, "slow_rank": [1, 0.25], "strategy": "parameter_server"}
     results = run_ranks({"scenarios": scenarios}, 2)
-    fast, slowed = results
-    # sync: the fast rank waits at every step for the slow one
-    assert fast["sync"]["train_seconds"] > 0.8 * slowed["sync"]["train_seconds"]
-    # async: it does not (8 x 0.25 s = 2 s of sleep on rank 1 alone)
-    for name in ("async", "pipelined"):
-        assert fast[name]["train_seconds"] < 0.5 * slowed[name]["train_seconds"], name
-        assert slowed[name]["train_seconds"] > steps * slow[1]
-        # at the end every rank holds the global model
-        assert _max_diff(fast[name]["params"], slowed[name]["params"]) == 0.0
-        # ... which moved: both workers' steps are in it
-        moved = torch.cat([p.reshape(-1) for p in fast[name]["params"].values()]) - fast[name]["start_params"]
-        assert moved.abs().max() > 1e-3, name
+    assert results[0]["sync"]["train_seconds"] > (steps - 1) * 0.25
+
+    for name in ("async", "pipelined", "pipelined_cntk"):
+        kw = scenarios[name]["kwargs"]
+        pipelined, pulled = kw.get("pipeline", False), kw.get("pipeline_start") == "pulled"
+        factor_args = (kw["adjust_learning_rate"], kw["adjust_coefficient"], kw["adjust_nb_minibatch"])
+        pushes = [r[name]["pushes"] for r in results]
+        w0 = results[0][name]["start_params"].double()
+        for rank in range(2):
+            mine = pushes[rank]
+            # steps / period pushes in training, one more when the ranks meet at the end
+            assert len(mine) == steps // kw["sync_period"] + 1, name
+            assert [p["pipelined"] for p in mine] == [pipelined] * (len(mine) - 1) + [False], name
+            assert torch.equal(mine[0]["base"], results[rank][name]["start_params"])
+            for k, push in enumerate(mine, start=1):
+                progress = push["local"] - push["base"]
+                # what goes to the server: the progress since the base, scaled by CNTK's factor
+                torch.testing.assert_close(
+                    push["pushed"], _cntk_factor(*factor_args, k) * progress, atol=1e-7, rtol=1e-6
+                )
+                previous = mine[k - 2]["reply"] if k > 1 else None
+                if not push["pipelined"]:
+                    expected = push["reply"]  # waits for the reply and continues from it
+                elif pulled:  # CNTK's usePipeline: the model pulled at the previous push
+                    expected = previous if previous is not None else push["base"]
+                else:  # rebase: that model plus the progress made since
+                    expected = previous + progress if previous is not None else push["local"]
+                torch.testing.assert_close(push["start"], expected, atol=1e-6, rtol=0, msg=f"{name} {rank} {k}")
+                if k < len(mine):  # the next progress is measured from where it continued
+                    assert torch.equal(mine[k]["base"], push["start"])
+        # the server: each push added at once, the replies nested prefixes of one order of the pushes
+        pushed = [[p["pushed"].double() for p in mine] for mine in pushes]
+        seen = [
+            [_seen(p["reply"], w0, pushed[r][:k], pushed[1 - r]) for k, p in enumerate(pushes[r], start=1)]
+            for r in range(2)
+        ]
+        for r in range(2):
+            assert seen[r] == sorted(seen[r]), (name, seen)
+            for k, m in enumerate(seen[r], start=1):  # if push k saw push m of the other, that one saw < k of r's
+                assert m == 0 or seen[1 - r][m - 1] < k, (name, seen)
+        # rank 0 trained alone: none of its training pushes saw rank 1's; rank 1's first saw them all
+        trained = steps // kw["sync_period"]
+        assert seen[0][:trained] == [0] * trained, (name, seen)
+        assert seen[1][0] >= trained, (name, seen)
+        # the global model every rank ends with: the initial one plus every push, scaled
+        total = w0 + sum(pushed[0] + pushed[1], torch.zeros_like(w0))
+        for res in results:
+            final = torch.cat([t.reshape(-1) for t in res[name]["params"].values()]).double()
+            torch.testing.assert_close(final, total, atol=1e-5, rtol=0, msg=name)
     # bytes: rank 1 pushes K values at every sync and once more when the ranks meet at the end;
     # rank 0 (the server) replies to each of those pushes and to rank 1's final pull
-    pushes = {"async": steps + 1, "pipelined": steps // 2 + 1}
-    for name, n in pushes.items():
-        assert slowed[name]["stats"]["weights/bytes_sent"] == n * K * F32
-        assert fast[name]["stats"]["weights/bytes_sent"] == (n + 1) * K * F32
+    for name, n in (("async", steps + 1), ("pipelined", steps // 2 + 1), ("pipelined_cntk", steps // 2 + 1)):
+        assert results[1][name]["stats"]["weights/bytes_sent"] == n * K * F32
+        assert results[0][name]["stats"]["weights/bytes_sent"] == (n + 1) * K * F32
 
 
 def test_checkpoints_resume_sync_exactly_and_async_with_its_counters():

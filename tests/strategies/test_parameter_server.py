@@ -1,10 +1,15 @@
 """The parameter server's pieces without ranks: a shard's rounds and updates, CNTK's adjustment
-factor, the shard layout."""
+factor, the shard layout, argument checks."""
 
 import pytest
 import torch
 
-from lightning_commstrats.strategies.parameter_server import ServerShard, adjust_factor, shard_bounds
+from lightning_commstrats.strategies.parameter_server import (
+    ParameterServerStrategy,
+    ServerShard,
+    adjust_factor,
+    shard_bounds,
+)
 
 
 def test_a_sync_round_averages_in_rank_order_whatever_the_arrival_order():
@@ -59,6 +64,19 @@ def test_cntk_adjustment_factor():
         [0.2, 0.2, 0.4, 0.4, 0.6, 1.0, 1.0]
     )
     assert adjust_factor("none", 0.2, 10, 0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "async", "pipeline": True, "pipeline_start": "cntk"}, "pipeline_start='cntk' is not supported"),
+        ({"mode": "async", "pipeline_start": "pulled"}, "pipeline_start='pulled' applies to pipeline=True"),
+        ({"pipeline_start": "pulled"}, "pipeline_start='pulled' applies to pipeline=True"),
+    ],
+)
+def test_bad_pipeline_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParameterServerStrategy(**kwargs)
 
 
 def test_shards_are_contiguous_and_balanced():
