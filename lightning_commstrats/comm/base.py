@@ -324,6 +324,17 @@ class FlagChannel(ABC):
     def pending(self) -> bool:
         return self._pending
 
+    def close(self) -> None:
+        """Release the channel (no round may be in flight). Its group holds the rendezvous store: a
+        channel kept past the end of its process group would keep that store, and the keys of its
+        groups, alive into the next group made on the same address."""
+        if self._pending:
+            raise RuntimeError("a flag round is in flight; read its result before closing the channel")
+        self._close()
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
     @abstractmethod
     def _start(self, flag: int) -> None: ...
 

@@ -125,6 +125,11 @@ class _MPIFlags(FlagChannel):
         request.Wait()
         return int(self._recv[0])
 
+    def _close(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None and not self._MPI.Is_finalized():
+            comm.Free()
+
 
 def _displs(counts: list[int]) -> list[int]:
     return [sum(counts[:i]) for i in range(len(counts))]

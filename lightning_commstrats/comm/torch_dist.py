@@ -280,6 +280,11 @@ class _GlooFlags(FlagChannel):
         work.wait()
         return int(self._buffer.item())
 
+    def _close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
 
 class _Staged:
     """A context that hands out ``staged`` and, on success, copies it back into ``tensor``."""

@@ -59,7 +59,6 @@ class StopAgreement:
         self.requested = False  # this rank got the signal
         self.stopped_at_batch: int | None = None
         self._channel: FlagChannel | None = None
-        self._channel_comm: Communicator | None = None
         self._trainer: Any = None
         self._batches = 0
 
@@ -78,19 +77,19 @@ class StopAgreement:
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         if loop is not None and hasattr(loop, "_broadcast_sigterm_tensor"):
             loop._broadcast_sigterm_tensor = _no_broadcast
-        if self.together and comm.world_size > 1 and self._channel_comm is not comm:
+        if self.together and comm.world_size > 1:
             self._channel = comm.flag_channel()
-            self._channel_comm = comm
 
     def detach(self) -> None:
         """Give the Trainer its own handling back (the end of a fit, whatever the way)."""
         trainer, self._trainer = self._trainer, None
         if trainer is None:
             return
-        if self._channel is not None and self._channel.pending:
-            # the fit stopped on an error: the peers may not have started this round; the channel
-            # is dropped unread (a later fit makes another)
-            self._channel = self._channel_comm = None
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.pending:
+            channel.close()  # one channel per fit: none outlives the process group it was made on
+        # else the fit stopped on an error and the peers may not have started this round: the
+        # channel is dropped unread
         connector = trainer._signal_connector
         connector.__dict__.pop("_sigterm_notifier_fn", None)
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
