@@ -250,8 +250,16 @@ class SampledVocabStrategy(AllReduceStrategy):
                 if res is not None:
                     g.add_(res)
         widths = [g[0].numel() for g in grads]
+        # one more value: 0, or NaN when any of this rank's vocabulary gradients (rows exchanged or
+        # not, which reach its residuals) is not finite; the average then tells every rank alike
+        poison = (torch.stack(torch._foreach_norm(grads)).sum() * 0).float().reshape(1)
         packed = torch.cat([g[rows].reshape(rows.numel(), -1).float() for g in grads], dim=1).reshape(-1)
-        averaged = self.comm.all_reduce(packed, "avg", tag="vocab_rows").view(rows.numel(), -1).split(widths, dim=1)
+        flat = self.comm.all_reduce(torch.cat([packed, poison]), "avg", tag="vocab_rows")
+        if not bool(torch.isfinite(flat).all()):  # one host sync per step, the same on every rank
+            self.report_nonfinite([self.param_name(p) for p in vocab])  # residuals and rows left as they were
+            self._frozen = []
+            return
+        averaged = flat[:-1].view(rows.numel(), -1).split(widths, dim=1)
         # the rows not exchanged, which no rank updates: the host knows how many, so their ids
         # come without waiting for the device
         frozen = self._vocab_size - rows.numel()

@@ -26,5 +26,6 @@ def test_sampled_vocab_reads_device_memory_only_for_the_sizes_of_the_data():
         assert kinds.get("aten::nonzero") == 2, kinds
         assert kinds.get("Tensor.tolist") == 1, kinds
         assert set(kinds) <= {"aten::nonzero", "Tensor.tolist", "aten::_local_scalar_dense"}, kinds
-        # one .item() of the SIGTERM agreement's host flag, one of the fp32 exchange's finiteness
-        assert kinds.get("aten::_local_scalar_dense", 0) <= 2, kinds
+        # one .item() of the SIGTERM agreement's host flag, one of the fp32 exchange's finiteness,
+        # one of the vocabulary rows' (every rank's vocabulary gradients finite or not)
+        assert kinds.get("aten::_local_scalar_dense", 0) <= 3, kinds

@@ -113,6 +113,14 @@ EVERY_SCHEME = {
     "streaming": ("streaming_diloco", {"sync_period": 4, "num_fragments": 2, "fragment_sync_delay": 1}),
     "parameter_server": ("parameter_server", {"mode": "sync"}),
 }
+# the vocabulary schemes, on the language model (the NaN in the embedding's gradient)
+VOCAB_SCHEMES = {
+    "sampled_vocab": ("sampled_vocab", {"alpha": 3, "beta": 2, "word_counts": "data"}),
+    "sampled_vocab_residuals": (
+        "sampled_vocab",
+        {"alpha": 3, "beta": 2, "word_counts": "data", "error_feedback": True},
+    ),
+}
 
 
 def _nan_scenario(strategy: str, kwargs: dict, policy: str) -> dict:
@@ -128,6 +136,7 @@ def _nan_scenario(strategy: str, kwargs: dict, policy: str) -> dict:
 
 def test_every_scheme_skips_a_nan_on_every_rank():
     scenarios = {name: _nan_scenario(s, kw, "skip") for name, (s, kw) in EVERY_SCHEME.items()}
+    scenarios.update({name: {**_nan_scenario(s, kw, "skip"), "model": "lm"} for name, (s, kw) in VOCAB_SCHEMES.items()})
     results = run_ranks({"scenarios": scenarios}, 2)
     for name in scenarios:
         r0, r1 = (r[name] for r in results)

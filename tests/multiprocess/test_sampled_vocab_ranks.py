@@ -81,8 +81,9 @@ def test_all_words_equal_allreduce_and_unselected_rows_never_move():
         assert stats["vocab_rows/calls"] == 6
         assert stats["vocab_rows/bytes_sent"] > 0 and stats["vocab_ids/bytes_sent"] > 0
         assert res["onebit_inner"]["stats"]["grad_quantized/calls"] == 6 * 2
-    # rows bytes: the selected rows of the embedding, the output weight and bias, ring all-reduced
+    # rows bytes: the selected rows of the embedding, the output weight and bias, and one value that
+    # says whether every rank's vocabulary gradients are finite, ring all-reduced
     rows = results[0]["few_words"]["rows"][-1]
     width = H + H + 1
     last = results[0]["few_words"]["last_step"]
-    assert last["vocab_rows/bytes_sent"] == ring_bytes(rows.numel() * width, 4, 2)
+    assert last["vocab_rows/bytes_sent"] == ring_bytes(rows.numel() * width + 1, 4, 2)
