@@ -154,6 +154,7 @@ def test_a_replica_of_two_ranks_follows_its_rank_0_and_heals_as_one():
     assert b["heals"], "the restarted b healed from a"
 
 
+@pytest.mark.slow
 def test_a_preempted_replica_stops_as_one_and_leaves_the_run_to_the_others():
     """SIGTERM to rank 1 of a two-rank replica (a preemption notice): both of its ranks stop at the
     same step, exit cleanly, its rank 0 leaves the quorums, and the other replicas go on without it;

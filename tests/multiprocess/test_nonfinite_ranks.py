@@ -170,7 +170,7 @@ def test_expert_parallel_skips_a_nan_in_one_ranks_expert_on_every_rank():
             assert torch.equal(value, results[1]["ep"]["params"][name]), name
 
 
-@pytest.mark.parametrize("name", ["allreduce", "bmuf_warm_start"])
+@pytest.mark.parametrize("name", ["allreduce", pytest.param("bmuf_warm_start", marks=pytest.mark.slow)])
 def test_a_nan_raises_on_every_rank(name):
     strategy, kwargs = EVERY_SCHEME[name]
     with pytest.raises(RuntimeError, match="failed") as info:
@@ -185,7 +185,7 @@ def test_a_nan_raises_on_every_rank(name):
 @pytest.mark.mpi
 @pytest.mark.mpi4py
 @pytest.mark.skipif(not MPI4PY_AVAILABLE, reason=str(MPI4PY_AVAILABLE))
-@pytest.mark.parametrize("bits", [32, 4])
+@pytest.mark.parametrize("bits", [32, pytest.param(4, marks=pytest.mark.slow)])
 def test_local_sgd_over_mpi_skips_a_nan_on_every_rank(bits):
     """local_sgd averaged a NaN in fp32 without a word, and dropped the 4-bit exchange's report."""
     kwargs = {"sync_period": 2, "pseudo_grad_bits": bits, "small_tensor_numel": 16}

@@ -29,6 +29,7 @@ def test_a_misspelled_strategy_is_refused_before_anything_starts(script, value, 
     assert "allreduce, onebit_sgd, model_averaging" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_fabric_recipe_learns_between_its_validations_with_a_periodic_scheme():
     """By name alone ``diloco`` syncs every 500 steps: the recipe's validations saw the global model
