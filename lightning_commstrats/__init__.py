@@ -31,6 +31,7 @@ from lightning_commstrats.strategies import (
     ParameterServerStrategy,
     PeriodicSyncStrategy,
     SampledVocabStrategy,
+    SparseLoCoStrategy,
     StreamingDiLoCoStrategy,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "ParameterServerStrategy",
     "PeriodicSyncStrategy",
     "SampledVocabStrategy",
+    "SparseLoCoStrategy",
     "StreamingDiLoCoStrategy",
     "register_fabric_strategies",
     "register_strategies",

@@ -1,5 +1,5 @@
 """Pure tensor code: line quantizers (uniform grids, 1-bit SGD's means, E3M0) with bit packing, the two-stage
-quantized all-reduce, the exchange component over them, row selection."""
+quantized all-reduce, sparse top-k pseudo-gradients (SparseLoCo), the exchange component over them, row selection."""
 
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
 from lightning_commstrats.compression.exchange import (
@@ -19,6 +19,7 @@ from lightning_commstrats.compression.quantizers import (
     unpack_bits,
 )
 from lightning_commstrats.compression.rows import batch_token_ids, most_frequent, random_rows, resolve_count, union
+from lightning_commstrats.compression.sparse import SparseAllGather, TopKCodec
 
 __all__ = [
     "CODECS",
@@ -30,7 +31,9 @@ __all__ = [
     "GradientCompression",
     "MatrixLayout",
     "QuantizedAllReduce",
+    "SparseAllGather",
     "TensorExchange",
+    "TopKCodec",
     "batch_token_ids",
     "make_codec",
     "most_frequent",

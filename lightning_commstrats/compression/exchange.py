@@ -12,7 +12,11 @@ scheme composes with every codec:
   matrices: ``codec="uniform"`` (:class:`~lightning_commstrats.compression.ColumnCodec`: 1-bit SGD's
   two means at 1 bit, a uniform grid of ``2^bits`` levels on ``[lo, hi]`` per line at 2, 4, 8 bits,
   half floats at 16) or ``codec="e3m0"`` at 4 bits (:class:`~lightning_commstrats.compression.E3M0Codec`,
-  Streaming DiLoCo's 4-bit float: ``+-scale * 2^e`` on one scale per line).
+  Streaming DiLoCo's 4-bit float: ``+-scale * 2^e`` on one scale per line);
+- ``codec="topk"``: matrices go sparse (:class:`~lightning_commstrats.compression.sparse.SparseAllGather`,
+  SparseLoCo's exchange: the ``topk_per_chunk`` largest values of every chunk of ``topk_chunk``
+  values in ``bits`` bits with their positions, all-gathered, and decayed error feedback), the rest
+  in fused fp32 all-reduces.
 
 Its state is the rank-local error-feedback residuals, keyed by tensor name
 (:meth:`TensorExchange.state_dict`). No Lightning here.
@@ -30,6 +34,7 @@ from lightning_commstrats.buckets import FlatBuffers, layout_key, plan_buckets, 
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
 from lightning_commstrats.compression.quantizers import check_codec, make_codec
+from lightning_commstrats.compression.sparse import SparseAllGather, TopKCodec, check_sparse_args
 
 EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
 SCALES = ("columns", "rows")
@@ -129,7 +134,12 @@ class TensorExchange:
             ``"rows"`` (per row: every word of a vocabulary matrix on its own scale).
         codec: ``"uniform"`` (default: two means at 1 bit, ``2^bits`` uniform levels between two
             float32 scales per line at 2, 4, 8 bits) or ``"e3m0"`` (``bits=4`` only: Streaming DiLoCo's
-            4-bit float, ``+-scale * 2^e`` for ``e`` in -6..0 and zero, one float32 scale per line).
+            4-bit float, ``+-scale * 2^e`` for ``e`` in -6..0 and zero, one float32 scale per line) or
+            ``"topk"`` (sparse: ``bits`` in 2, 4, 8, 32 is the width of the kept values).
+        topk_chunk: with ``codec="topk"``, values per chunk (SparseLoCo: 4096).
+        topk_per_chunk: with ``codec="topk"``, values kept per chunk (SparseLoCo: 64).
+        error_feedback_decay: with ``codec="topk"``, the decay of the error feedback (SparseLoCo:
+            0.95); other codecs carry their residuals undecayed (1.0).
     """
 
     def __init__(
@@ -145,9 +155,23 @@ class TensorExchange:
         average: Average | None = None,
         scales: str = "columns",
         codec: str = "uniform",
+        topk_chunk: int = 4096,
+        topk_per_chunk: int = 64,
+        error_feedback_decay: float = 1.0,
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
         check_codec(codec, bits)
+        check_sparse_args(
+            topk_chunk,
+            topk_per_chunk,
+            bits if codec == "topk" else 32,
+            error_feedback_decay,
+            names=("topk_chunk", "topk_per_chunk", "bits", "error_feedback_decay"),
+        )
+        if codec != "topk" and error_feedback_decay != 1.0:
+            raise ValueError(
+                f"error_feedback_decay={error_feedback_decay!r} applies to codec='topk' only (got codec={codec!r})"
+            )
         if scales not in SCALES:
             raise ValueError(f"scales={scales!r} is not supported; choose one of {SCALES}")
         self.by_rows = scales == "rows"
@@ -157,13 +181,17 @@ class TensorExchange:
         self.tag = tag
         self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20), keep_buffers=keep_buffers, average=average)
         self.codec = codec
-        self.quantized: QuantizedAllReduce | None = None
-        if bits < 32:
+        self.quantized: QuantizedAllReduce | SparseAllGather | None = None
+        if codec == "topk":
+            self.quantized = SparseAllGather(
+                TopKCodec(topk_chunk, topk_per_chunk, bits), comm, tag=f"{tag}_sparse", decay=error_feedback_decay
+            )
+        elif bits < 32:
             line_codec = make_codec(codec, min(bits, 16), HALF_DTYPES[half_dtype])
             self.quantized = QuantizedAllReduce(line_codec, comm, tag=f"{tag}_quantized", by_rows=self.by_rows)
 
     def quantizes(self, t: Tensor) -> bool:
-        """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values)."""
+        """Whether ``t`` travels quantized or sparse (a matrix of more than ``small_tensor_numel`` values)."""
         return self.quantized is not None and t.dim() >= 2 and t.numel() > self.small_tensor_numel
 
     def average(self, named: Mapping[str, Tensor], *, quantize: bool = True, commit: bool = True) -> list[str]:
@@ -231,6 +259,13 @@ class TensorExchange:
             for name, res in state.get(kind, {}).items():
                 if name not in shapes:
                     raise ValueError(f"its residual for {name!r} has no tensor of that name in the model")
+                if isinstance(self.quantized, SparseAllGather):
+                    if kind == "residuals2" or tuple(res.shape) != tuple(shapes[name]):
+                        raise ValueError(
+                            f"its {kind} for {name!r} have shape {tuple(res.shape)}, this model's sparse error"
+                            f" feedback needs {tuple(shapes[name])}"
+                        )
+                    continue
                 lay = MatrixLayout.of(shapes[name], self.comm.world_size, self.by_rows)
                 c0, c1 = lay.stripes[self.comm.rank]
                 expected = (lay.cols, lay.rows) if kind == "residuals" else (c1 - c0, lay.rows)

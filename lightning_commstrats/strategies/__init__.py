@@ -10,6 +10,7 @@ from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
 from lightning_commstrats.strategies.parameter_server import ParameterServerStrategy
 from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, PeriodicSyncStrategy
 from lightning_commstrats.strategies.sampled_vocab import SampledVocabStrategy
+from lightning_commstrats.strategies.sparseloco import SparseLoCoStrategy
 from lightning_commstrats.strategies.streaming_diloco import StreamingDiLoCoStrategy
 
 STRATEGIES: tuple[type[CommStrategy], ...] = (
@@ -20,6 +21,7 @@ STRATEGIES: tuple[type[CommStrategy], ...] = (
     LocalSGDStrategy,
     DiLoCoStrategy,
     StreamingDiLoCoStrategy,
+    SparseLoCoStrategy,
     SampledVocabStrategy,
     ExpertParallelStrategy,
     ParameterServerStrategy,
@@ -38,5 +40,6 @@ __all__ = [
     "ParameterServerStrategy",
     "PeriodicSyncStrategy",
     "SampledVocabStrategy",
+    "SparseLoCoStrategy",
     "StreamingDiLoCoStrategy",
 ]

@@ -45,6 +45,7 @@ from lightning_commstrats.buckets import flatten, unflatten_into
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import SCALES, TensorExchange, check_exchange_args
 from lightning_commstrats.compression.quantizers import check_codec
+from lightning_commstrats.compression.sparse import check_sparse_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, resolve_outer_optimizer
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
@@ -122,7 +123,16 @@ class PeriodicSyncStrategy(CommStrategy):
             between two float32 scales per row or column, ``mean +- k std`` clipped to the values'
             range) or ``"e3m0"`` (``pseudo_grad_bits=4`` only: Streaming DiLoCo's 4-bit float,
             ``+-scale * 2^e`` for ``e`` in -6..0 and zero, one float32 scale per row or column, its
-            largest magnitude); see :class:`~lightning_commstrats.compression.E3M0Codec`.
+            largest magnitude); see :class:`~lightning_commstrats.compression.E3M0Codec`. Or ``"topk"``:
+            sparse pseudo-gradients (SparseLoCo): of every chunk of ``topk_chunk`` values of a matrix,
+            the ``topk_per_chunk`` largest in magnitude travel, in ``pseudo_grad_bits`` bits each (2, 4,
+            8: sign and magnitude bin; 32: float32) with their positions, every rank's payload
+            all-gathered; what is not sent stays in an error-feedback buffer decayed by
+            ``error_feedback_decay``; see :mod:`lightning_commstrats.compression.sparse`.
+        topk_chunk: with ``pseudo_grad_codec="topk"``, values per chunk (default 4096, SparseLoCo's).
+        topk_per_chunk: with ``pseudo_grad_codec="topk"``, values kept per chunk (default 64: 1.6%).
+        error_feedback_decay: with ``pseudo_grad_codec="topk"``, ``beta`` in ``e = beta * e + G``
+            (default 1.0; SparseLoCo's 0.95, with which the buffer takes the place of outer momentum).
         small_tensor_numel: tensors with at most this many values (and 1-D ones) go in fp32.
         half_dtype: the 16-bit format, ``"float16"`` or ``"bfloat16"``.
         num_fragments: parameters in this many fragments (contiguous in registration order,
@@ -162,6 +172,9 @@ class PeriodicSyncStrategy(CommStrategy):
         pseudo_grad_bits: int = 32,
         pseudo_grad_scales: str = "rows",
         pseudo_grad_codec: str = "uniform",
+        topk_chunk: int = 4096,
+        topk_per_chunk: int = 64,
+        error_feedback_decay: float = 1.0,
         small_tensor_numel: int = 1024,
         half_dtype: str = "float16",
         num_fragments: int = 1,
@@ -194,6 +207,18 @@ class PeriodicSyncStrategy(CommStrategy):
         if pseudo_grad_scales not in SCALES:
             raise ValueError(f"pseudo_grad_scales={pseudo_grad_scales!r} is not supported; choose one of {SCALES}")
         check_codec(pseudo_grad_codec, pseudo_grad_bits, name="pseudo_grad_codec", bits_name="pseudo_grad_bits")
+        check_sparse_args(
+            topk_chunk,
+            topk_per_chunk,
+            pseudo_grad_bits if pseudo_grad_codec == "topk" else 32,
+            error_feedback_decay,
+            names=("topk_chunk", "topk_per_chunk", "pseudo_grad_bits", "error_feedback_decay"),
+        )
+        if pseudo_grad_codec != "topk" and error_feedback_decay != 1.0:
+            raise ValueError(
+                f"error_feedback_decay={error_feedback_decay!r} applies to pseudo_grad_codec='topk' only"
+                f" (got pseudo_grad_codec={pseudo_grad_codec!r}): the other codecs carry their residuals undecayed"
+            )
         if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
             raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
         if num_fragments > 1 and sync_period_unit != "steps":
@@ -227,6 +252,9 @@ class PeriodicSyncStrategy(CommStrategy):
         self.pseudo_grad_bits = pseudo_grad_bits
         self.pseudo_grad_scales = pseudo_grad_scales
         self.pseudo_grad_codec = pseudo_grad_codec
+        self.topk_chunk = topk_chunk
+        self.topk_per_chunk = topk_per_chunk
+        self.error_feedback_decay = error_feedback_decay
         self.small_tensor_numel = small_tensor_numel
         self.half_dtype = half_dtype
         self.num_fragments = num_fragments
@@ -280,6 +308,9 @@ class PeriodicSyncStrategy(CommStrategy):
             tag="weights",
             scales=self.pseudo_grad_scales,
             codec=self.pseudo_grad_codec,
+            topk_chunk=self.topk_chunk,
+            topk_per_chunk=self.topk_per_chunk,
+            error_feedback_decay=self.error_feedback_decay,
             bucket_cap_mb=self.bucket_cap_mb,
             keep_buffers=False,  # once per period, a whole fragment: not worth a standing copy
         )

@@ -1,0 +1,292 @@
+"""Sparse pseudo-gradients: the top-k values of every chunk, a few bits each, all-gathered (SparseLoCo).
+
+SparseLoCo (Sarfi, Thérien, Lidin, Belilovsky 2025; Covenant-72B, 2026) sends, per chunk of
+``chunk`` consecutive values of a matrix, only the ``k`` largest in magnitude (64 of 4096, 1.6%),
+each in 2 bits, with their positions; everything not sent stays in an error-feedback buffer that
+decays by ``beta`` (0.95) at every round:
+
+    e  = beta * e + G             (G: this rank's pseudo-gradient)
+    s  = Q(topk(e))               (what this rank sends)
+    e  = e - s                    (what it keeps for later rounds)
+    G' = mean over ranks of s     (identical on every rank)
+
+Sparse payloads do not add up inside an all-reduce (the ranks keep different positions), so every
+rank's payload is all-gathered and each rank decodes all of them and sums them in rank order: the
+average is bit for bit the same everywhere. A rank sends ``(N - 1)`` payloads' worth of bytes in a
+ring all-gather, against ``2 (N - 1) / N`` of the model for a dense all-reduce: with ``N`` ranks the
+sparse exchange pays ``N^2 / 2`` times its payload's share of the model, which is why the payload
+must be tiny.
+
+:class:`TopKCodec` is the pure codec of a block ``[chunks, chunk]``; :class:`SparseAllGather` is the
+exchange with its error feedback (rank-local state, keyed by tensor name). No Lightning here.
+
+Wire format of one rank's payload for ``C`` chunks (every rank's has the same size, so a plain
+all-gather carries them):
+
+- below 32 bits: ``lo`` then ``hi`` (``C`` float32 each): the smallest and the largest magnitude
+  among each chunk's kept values;
+- the kept positions inside their chunk, ``ceil(log2(chunk))`` bits each, chunk after chunk,
+  ascending within a chunk, packed most significant bit first (12 bits for 4096; a plain int32 or
+  int64 index would be 2.7 or 5.3 times larger);
+- the values: at ``bits`` < 32 one code each, ``bits`` per value packed as
+  :func:`~lightning_commstrats.compression.pack_bits` packs them: the high bit is the sign
+  (set for negative values), the other ``bits - 1`` bits are the magnitude's bin among ``2^(bits-1)``
+  equal bins of ``[lo, hi]``, rebuilt as the bin's centre ``lo + (bin + 0.5) (hi - lo) / 2^(bits-1)``
+  (as :class:`~lightning_commstrats.compression.ColumnCodec` computes its grid: ``step = (hi - lo) /
+  bins``, ``inv = 1 / step`` or 0, the bin ``(|v| - lo) * inv`` truncated and clamped); at 32 bits the
+  float32 values themselves.
+
+At 2 bits a value is its sign and whether its magnitude lies in the upper half of the chunk's kept
+range: top-k values have no small magnitudes, so a sign-and-magnitude code spends its levels where
+they are (a uniform grid on the signed range, as a dense 2-bit codec uses, would put two of its four
+levels in the empty middle). Per kept value at 4096/64/2 bits: 12 + 2 bits plus 1 bit of scales,
+about 1/0.0156/15 * 32 = 137 times fewer bits than the dense float32 matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.compression.quantizers import _view, pack_bits, packed_bytes, unpack_bits
+
+SPARSE_VALUE_BITS = (2, 4, 8, 32)
+
+
+def index_bits(chunk: int) -> int:
+    """Bits of a position inside a chunk of ``chunk`` values (at least 1)."""
+    return max(1, math.ceil(math.log2(chunk)))
+
+
+def pack_uint(values: Tensor, width: int) -> Tensor:
+    """Pack non-negative integers below ``2^width`` (flat) into ``uint8``, ``width`` bits each, most
+    significant bit first, one after the other with no padding between them (the last byte is
+    zero-padded)."""
+    shifts = torch.arange(width - 1, -1, -1, device=values.device, dtype=torch.int64)
+    bits = (values.reshape(-1, 1).to(torch.int64) >> shifts) & 1
+    return pack_bits(bits.reshape(-1), 1)
+
+
+def unpack_uint(packed: Tensor, width: int, count: int) -> Tensor:
+    """Inverse of :func:`pack_uint`: the first ``count`` integers, as int64."""
+    bits = unpack_bits(packed, 1, count * width).to(torch.int64).view(count, width)
+    shifts = torch.arange(width - 1, -1, -1, device=packed.device, dtype=torch.int64)
+    return (bits << shifts).sum(1)
+
+
+def check_sparse_args(chunk: int, k: int, bits: int, decay: float, *, names: tuple[str, str, str, str]) -> None:
+    """Construction-time checks; ``names`` are the caller's argument names for chunk, k, bits, decay."""
+    c, kk, b, d = names
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
+        raise ValueError(f"{c} must be an int >= 2, got {chunk!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= chunk:
+        raise ValueError(f"{kk} must be an int in [1, {c}={chunk}], got {k!r}")
+    if isinstance(bits, bool) or bits not in SPARSE_VALUE_BITS:
+        raise ValueError(
+            f"{b}={bits!r} is not supported with sparse pseudo-gradients; choose one of {SPARSE_VALUE_BITS}"
+        )
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+        raise ValueError(f"{d} must be a number in (0, 1], got {decay!r}")
+
+
+class TopKCodec:
+    """Keep the ``k`` largest magnitudes of each row of a ``[chunks, chunk]`` float32 block, in ``bits``
+    bits each (see the module docstring for the wire format).
+
+    Args:
+        chunk: values per chunk (4096 in SparseLoCo).
+        k: values kept per chunk (64 in SparseLoCo).
+        bits: 2, 4, 8 (sign and magnitude bin) or 32 (float32 values).
+    """
+
+    def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
+        check_sparse_args(chunk, k, bits, 1.0, names=("chunk", "k", "bits", "decay"))
+        self.chunk, self.k, self.bits = chunk, k, bits
+        self.index_bits = index_bits(chunk)
+
+    def payload_bytes(self, chunks: int) -> int:
+        """Bytes of the payload of ``chunks`` chunks."""
+        kept = chunks * self.k
+        scales = 0 if self.bits == 32 else 2 * 4 * chunks
+        values = 4 * kept if self.bits == 32 else packed_bytes(kept, self.bits)
+        return scales + packed_bytes(kept * self.index_bits, 1) + values
+
+    def encode(self, block: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns ``(payload, positions, kept)``: the ``uint8`` payload, the kept positions ``[chunks, k]``
+        (int64, ascending in each row) and the values the payload rebuilds there (float32)."""
+        if block.dim() != 2 or block.shape[1] != self.chunk or block.dtype != torch.float32:
+            raise ValueError(
+                f"encode takes a float32 [chunks, {self.chunk}] block, got {tuple(block.shape)} {block.dtype}"
+            )
+        chunks = block.shape[0]
+        positions = block.abs().topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        values = block.gather(1, positions)
+        index_part = pack_uint(positions, self.index_bits)
+        if self.bits == 32:
+            return torch.cat([index_part, values.reshape(-1).view(torch.uint8)]), positions, values
+        codes, lo, hi = self._quantize(values)
+        payload = torch.cat([lo.view(torch.uint8), hi.view(torch.uint8), index_part, pack_bits(codes, self.bits)])
+        assert payload.numel() == self.payload_bytes(chunks)
+        return payload, positions, self._dequantize(codes, lo, hi)
+
+    def decode(self, payloads: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
+        """Positions ``[R, chunks, k]`` and values (float32) of ``R`` payloads ``[R, bytes]`` made by
+        :meth:`encode`, bit-identical to what :meth:`encode` returned."""
+        size = self.payload_bytes(chunks)
+        if payloads.dim() != 2 or payloads.shape[1] != size:
+            raise ValueError(f"payloads must be [R, {size}] for {chunks} chunks, got {tuple(payloads.shape)}")
+        r, kept = payloads.shape[0], chunks * self.k
+        scales = 0 if self.bits == 32 else 8 * chunks
+        index_len = packed_bytes(kept * self.index_bits, 1)
+        positions, values = [], []
+        for p in payloads.unbind(0):  # R small decodes; each is vectorised over the chunks
+            positions.append(unpack_uint(p[scales : scales + index_len], self.index_bits, kept).view(chunks, self.k))
+            rest = p[scales + index_len :]
+            if self.bits == 32:
+                values.append(_view(rest, torch.float32).view(chunks, self.k))
+            else:
+                lo = _view(p[: 4 * chunks], torch.float32)
+                hi = _view(p[4 * chunks : scales], torch.float32)
+                codes = unpack_bits(rest, self.bits, kept).view(chunks, self.k)
+                values.append(self._dequantize(codes, lo, hi))
+        if not positions:
+            empty = torch.empty(r, chunks, self.k)
+            return empty.long(), empty
+        return torch.stack(positions), torch.stack(values)
+
+    def _quantize(self, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        magnitude = values.abs()
+        lo, hi = magnitude.amin(1), magnitude.amax(1)
+        bins = 1 << (self.bits - 1)
+        step = (hi - lo) / bins
+        inv = torch.where(step > 0, 1.0 / step, 0.0).unsqueeze(1)
+        level = magnitude.sub_(lo.unsqueeze(1)).mul_(inv).clamp_(0, bins - 1).to(torch.uint8)
+        sign = (values < 0).to(torch.uint8) << (self.bits - 1)
+        return level | sign, lo, hi
+
+    def _dequantize(self, codes: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+        bins = 1 << (self.bits - 1)
+        step = ((hi - lo) / bins).unsqueeze(1)
+        magnitude = (codes & (bins - 1)).float().add_(0.5).mul_(step).add_(lo.unsqueeze(1))
+        return torch.where(codes >= bins, -magnitude, magnitude)
+
+
+class SparseAllGather:
+    """Average named tensors over ranks from each rank's top-k values per chunk, with decayed error feedback.
+
+    Each tensor's values are cut in chunks of ``codec.chunk`` consecutive values (in memory order;
+    the last chunk of a tensor is padded with zeros, never kept across tensors). Per call, for every
+    tensor ``G``: ``e = decay * e + G``; the kept values ``s = Q(topk(e))`` go on the wire (one
+    all-gather of every rank's payload, all of the call's tensors in one); ``e - s`` is kept as the
+    new error feedback once the average is known to be finite. Each rank rebuilds every rank's
+    ``s`` and sums them in rank order (bit for bit the same on every rank), then divides by ``N``.
+
+    Args:
+        codec: the per-chunk top-k codec.
+        comm: the ranks' communicator.
+        tag: the traffic tag for :class:`~lightning_commstrats.comm.CommStats`.
+        decay: ``beta``, the error-feedback decay (SparseLoCo: 0.95; 1: plain error feedback).
+
+    Attributes:
+        residuals: the error-feedback buffer per name (this rank's, the tensor's shape).
+    """
+
+    def __init__(
+        self, codec: TopKCodec, comm: Communicator, tag: str = "weights_sparse", *, decay: float = 1.0
+    ) -> None:
+        self.codec = codec
+        self.comm = comm
+        self.tag = tag
+        self.decay = float(decay)
+        self.residuals: dict[str, Tensor] = {}
+        self.nonfinite: list[str] = []
+        self._pending: dict[str, Tensor] | None = None
+
+    def layout(self, grads: Mapping[str, Tensor]) -> list[tuple[str, int, int]]:
+        """``(name, first chunk, chunks)`` of each tensor in the call's block."""
+        out, row = [], 0
+        for name, g in grads.items():
+            chunks = -(-g.numel() // self.codec.chunk)
+            out.append((name, row, chunks))
+            row += chunks
+        return out
+
+    def __call__(self, grads: Mapping[str, Tensor], *, commit: bool = True) -> dict[str, Tensor]:
+        """Return the average over ranks of each tensor in ``grads`` (same shapes, float32); with
+        ``commit=False`` the new error feedback waits for :meth:`commit`."""
+        if not grads:
+            return {}
+        chunk, n = self.codec.chunk, self.comm.world_size
+        layout = self.layout(grads)
+        total = sum(c for _, _, c in layout)
+        device = next(iter(grads.values())).device
+        block = torch.zeros(total, chunk, dtype=torch.float32, device=device)
+        flat = block.view(-1)
+        for name, row, _ in layout:
+            g = grads[name]
+            dst = flat[row * chunk : row * chunk + g.numel()]
+            res = self.residuals.get(name)
+            if res is not None and res.shape == g.shape:
+                dst.copy_(res.reshape(-1))
+                if self.decay != 1.0:
+                    dst.mul_(self.decay)
+                dst.add_(g.reshape(-1))
+            else:
+                dst.copy_(g.reshape(-1))
+        # a chunk holding an inf or a NaN reaches every rank's average as non-finite with no check here:
+        # top-k ranks a NaN above every number and keeps an inf, so its chunk's scales (or values)
+        # travel non-finite and rebuild as non-finite values
+        payload, positions, kept = self.codec.encode(block)
+        # what was not sent stays: e - s at the kept positions, e elsewhere
+        block.scatter_(1, positions, block.gather(1, positions) - kept)
+        everything = self.comm.all_gather(payload, tag=self.tag)
+        all_positions, all_values = self.codec.decode(everything, total)
+        acc = torch.zeros(total, chunk, dtype=torch.float32, device=device)
+        for r in range(n):  # rank order: every rank adds the same values in the same order
+            acc.scatter_add_(1, all_positions[r], all_values[r])
+        acc.div_(n)
+        acc_flat = acc.view(-1)
+        result: dict[str, Tensor] = {}
+        new_res: dict[str, Tensor] = {}
+        flags: list[Tensor] = []
+        for name, row, chunks in layout:
+            g = grads[name]
+            result[name] = acc_flat[row * chunk : row * chunk + g.numel()].view(g.shape)
+            new_res[name] = flat[row * chunk : row * chunk + g.numel()].view(g.shape)
+            flags.append(torch.isfinite(acc[row : row + chunks]).all())
+        finite = torch.stack(flags).tolist()
+        self.nonfinite = [name for (name, _, _), ok in zip(layout, finite, strict=True) if not ok]
+        self._pending = None if self.nonfinite else new_res
+        if commit:
+            self.commit()
+        return result
+
+    def commit(self) -> None:
+        """Keep the error feedback of the last call (a no-op after a non-finite one)."""
+        if self._pending is not None:
+            self.residuals.update(self._pending)
+            self._pending = None
+
+    def discard(self) -> None:
+        """Drop the error feedback of the last call (the old one stays)."""
+        self._pending = None
+
+    def rebind(self, comm: Communicator, *, keep_stripes: bool = True) -> None:
+        """Exchange over ``comm`` from now on; the error feedback is this rank's own and stays."""
+        self.comm = comm
+        self._pending = None
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        """The error-feedback buffers per tensor name (rank-local)."""
+        return {"residuals": dict(self.residuals), "residuals2": {}}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        self.residuals = {n: r.float() for n, r in state.get("residuals", {}).items()}
+
+    def reset(self) -> None:
+        """Forget the error feedback (it restarts at zero)."""
+        self.residuals.clear()

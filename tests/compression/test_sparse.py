@@ -1,0 +1,181 @@
+"""Sparse top-k pseudo-gradients (SparseLoCo): the codec's bytes and values against an encoder written here
+from the wire format's definition, and the exchange's error feedback against its equations on one rank."""
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_commstrats import DiLoCoStrategy, SparseLoCoStrategy
+from lightning_commstrats.comm.base import LocalCommunicator
+from lightning_commstrats.compression import SparseAllGather, TensorExchange, TopKCodec
+from lightning_commstrats.compression.sparse import pack_uint, unpack_uint
+
+
+def reference_encode(block: np.ndarray, k: int, bits: int) -> tuple[bytes, np.ndarray]:
+    """The wire format, chunk by chunk, with Python integers and numpy float32 scalars: the kept
+    positions are the k largest magnitudes (ascending), the scales the least and largest kept
+    magnitude, each value its sign bit and its magnitude's bin; returns the payload and, per chunk,
+    the float32 values the payload rebuilds at the kept positions (a dense [chunks, chunk] array)."""
+    chunks, chunk = block.shape
+    width = math.ceil(math.log2(chunk))
+    rebuilt = np.zeros_like(block)
+    los, his, position_bits, code_bits, float_bits = [], [], "", "", b""
+    for c in range(chunks):
+        row = block[c]
+        order = sorted(range(chunk), key=lambda i: -abs(float(row[i])))
+        kept = sorted(order[:k])
+        for i in kept:
+            position_bits += format(i, f"0{width}b")
+        values = [row[i] for i in kept]
+        if bits == 32:
+            for i, v in zip(kept, values, strict=True):
+                rebuilt[c, i] = v
+                float_bits += struct.pack("<f", float(v))
+            continue
+        mags = [np.float32(abs(v)) for v in values]
+        lo, hi = min(mags), max(mags)
+        los.append(lo)
+        his.append(hi)
+        bins = 2 ** (bits - 1)
+        step = np.float32(np.float32(hi - lo) / np.float32(bins))
+        inv = np.float32(np.float32(1.0) / step) if step > 0 else np.float32(0.0)
+        for i, v, m in zip(kept, values, mags, strict=True):
+            level = int(min(max(math.floor(float(np.float32(np.float32(m - lo) * inv))), 0), bins - 1))
+            code_bits += ("1" if v < 0 else "0") + format(level, f"0{bits - 1}b")
+            mag = np.float32(np.float32(np.float32(level) + np.float32(0.5)) * step) + lo
+            rebuilt[c, i] = -mag if v < 0 else mag
+
+    def to_bytes(bitstring: str) -> bytes:
+        bitstring += "0" * (-len(bitstring) % 8)
+        return bytes(int(bitstring[i : i + 8], 2) for i in range(0, len(bitstring), 8))
+
+    if bits == 32:
+        return to_bytes(position_bits) + float_bits, rebuilt
+    scales = b"".join(struct.pack("<f", float(x)) for x in los) + b"".join(struct.pack("<f", float(x)) for x in his)
+    return scales + to_bytes(position_bits) + to_bytes(code_bits), rebuilt
+
+
+def dense(positions: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tensor:
+    out = torch.zeros(positions.shape[0], chunk)
+    return out.scatter_(1, positions, values)
+
+
+@pytest.mark.parametrize(("chunk", "k", "bits"), [(4096, 64, 2), (64, 8, 2), (100, 7, 4), (32, 5, 8), (64, 6, 32)])
+def test_payload_and_values_match_the_wire_format_bit_for_bit(chunk, k, bits):
+    g = torch.Generator().manual_seed(chunk + k + bits)
+    block = torch.randn(3, chunk, generator=g) * torch.tensor([[1.0], [1e-3], [40.0]])
+    codec = TopKCodec(chunk, k, bits)
+    payload, positions, kept = codec.encode(block)
+    expected, rebuilt = reference_encode(block.numpy(), k, bits)
+    assert payload.numel() == codec.payload_bytes(3) == len(expected)
+    assert bytes(payload.tolist()) == expected
+    assert torch.equal(dense(positions, kept, chunk), torch.from_numpy(rebuilt))
+    # the decoder rebuilds exactly what the encoder reported, from the bytes alone
+    got_positions, got_values = codec.decode(torch.stack([payload, payload]), 3)
+    for r in range(2):
+        assert torch.equal(got_positions[r], positions)
+        assert torch.equal(got_values[r], kept)
+
+
+def test_payload_size_by_hand():
+    # 4096/64 at 2 bits: 8 bytes of scales, 64 positions of 12 bits (96 bytes), 64 codes of 2 bits (16 bytes)
+    assert TopKCodec(4096, 64, 2).payload_bytes(10) == 10 * (8 + 96 + 16)
+    # float32 values: no scales; 5 positions of 5 bits = 25 bits (4 bytes for two chunks: 50 bits -> 7 bytes)
+    assert TopKCodec(32, 5, 32).payload_bytes(2) == 7 + 2 * 5 * 4
+
+
+def test_zero_chunks_and_equal_magnitudes_rebuild_exactly():
+    codec = TopKCodec(16, 4, 2)
+    block = torch.zeros(2, 16)
+    block[1, [1, 5, 9, 13]] = torch.tensor([0.5, -0.5, 0.5, -0.5])
+    _, positions, kept = codec.encode(block)
+    assert torch.equal(dense(positions, kept, 16), block)
+
+
+@pytest.mark.parametrize("width", [1, 5, 12, 13])
+def test_pack_uint_round_trip_and_bit_order(width):
+    values = torch.randint(0, 2**width, (37,), generator=torch.Generator().manual_seed(width))
+    packed = pack_uint(values, width)
+    assert packed.numel() == math.ceil(37 * width / 8)
+    assert torch.equal(unpack_uint(packed, width, 37), values)
+    bitstring = "".join(format(int(v), f"0{width}b") for v in values)
+    assert format(int(packed[0]), "08b") == bitstring[:8]
+
+
+def test_error_feedback_with_decay_follows_the_equations_on_one_rank():
+    """One rank: the average is what it sent. e = beta e + G; s = Q(topk(e)); e -= s, round after round."""
+    beta, chunk, k = 0.9, 64, 6
+    exchange = SparseAllGather(TopKCodec(chunk, k, 2), LocalCommunicator(), decay=beta)
+    codec = TopKCodec(chunk, k, 2)
+    shapes = {"w": (10, 20), "v": (3, 7)}  # 200 values: 4 chunks, the last padded; 21 values: 1 chunk
+    e = {n: torch.zeros(s) for n, s in shapes.items()}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        grads = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        out = exchange({n: t.clone() for n, t in grads.items()})
+        assert exchange.nonfinite == []
+        for n, s in shapes.items():
+            acc = e[n] * beta + grads[n]
+            flat = torch.zeros(-(-acc.numel() // chunk) * chunk)
+            flat[: acc.numel()] = acc.reshape(-1)
+            _, positions, kept = codec.encode(flat.view(-1, chunk))
+            sent = dense(positions, kept, chunk).reshape(-1)[: acc.numel()].view(s)
+            assert torch.equal(out[n], sent), n
+            e[n] = acc - sent
+            torch.testing.assert_close(exchange.residuals[n], e[n], atol=0, rtol=0)
+            assert (sent != 0).sum() <= k * flat.numel() // chunk
+
+
+@pytest.mark.parametrize("bits", [2, 32])
+@pytest.mark.parametrize("bad_value", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_value_is_reported_and_leaves_the_error_feedback_as_it_was(bits, bad_value):
+    exchange = SparseAllGather(TopKCodec(64, 4, bits), LocalCommunicator(), decay=0.95)
+    exchange({"w": torch.randn(8, 16), "v": torch.randn(4, 4)})
+    before = {n: r.clone() for n, r in exchange.residuals.items()}
+    bad = torch.randn(8, 16)
+    bad[3, 3] = bad_value
+    out = exchange({"w": bad, "v": torch.randn(4, 4)})
+    assert exchange.nonfinite == ["w"]
+    assert not torch.isfinite(out["w"]).all()
+    for n in before:
+        assert torch.equal(exchange.residuals[n], before[n])
+
+
+def test_small_tensors_stay_dense_and_matrices_go_sparse():
+    ex = TensorExchange(LocalCommunicator(), 2, codec="topk", small_tensor_numel=16, topk_chunk=64, topk_per_chunk=4)
+    assert isinstance(ex.quantized, SparseAllGather)
+    assert (
+        ex.quantizes(torch.zeros(8, 8)) and not ex.quantizes(torch.zeros(100)) and not ex.quantizes(torch.zeros(4, 4))
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: SparseLoCoStrategy(topk_per_chunk=0), "topk_per_chunk must be an int in"),
+        (lambda: SparseLoCoStrategy(topk_chunk=64, topk_per_chunk=65), "topk_per_chunk must be an int in"),
+        (lambda: SparseLoCoStrategy(topk_chunk=1), "topk_chunk must be an int >= 2"),
+        (lambda: SparseLoCoStrategy(error_feedback_decay=0.0), "error_feedback_decay must be a number in (0, 1]"),
+        (lambda: SparseLoCoStrategy(pseudo_grad_bits=16), "pseudo_grad_bits=16"),
+        (lambda: SparseLoCoStrategy(pseudo_grad_codec="uniform"), "pseudo_grad_codec='uniform'"),
+        (lambda: SparseLoCoStrategy(outer_momentum=0.9), "does not take outer_momentum"),
+        (lambda: DiLoCoStrategy(pseudo_grad_bits=4, error_feedback_decay=0.9), "applies to pseudo_grad_codec='topk'"),
+        (lambda: DiLoCoStrategy(pseudo_grad_bits=1, pseudo_grad_codec="topk"), "pseudo_grad_bits=1"),
+    ],
+)
+def test_bad_settings_are_refused_at_construction(build, message):
+    with pytest.raises(ValueError, match=None) as info:
+        build()
+    assert message in str(info.value)
+
+
+def test_sparseloco_preset_is_outer_sgd_without_momentum_over_the_topk_exchange():
+    s = SparseLoCoStrategy(sync_period=16, num_fragments=2, fragment_sync_delay=1)
+    assert (s.pseudo_grad_codec, s.pseudo_grad_bits, s.topk_chunk, s.topk_per_chunk) == ("topk", 2, 4096, 64)
+    assert s.error_feedback_decay == 0.95 and s.fragment_sync_delay == 1
+    outer = s.outer_factory()([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(outer, torch.optim.SGD)
+    assert outer.param_groups[0]["lr"] == 1.0 and outer.param_groups[0]["momentum"] == 0.0
