@@ -73,6 +73,7 @@ class _Exchange:
     contributes: bool = True  # fault tolerance: False for a replica that healed at this sync (it sends zeros)
     took_part: int = 1  # fault tolerance: replicas whose block the average holds (0: no outer step)
     healed: dict[str, Any] | None = None  # fault tolerance: the shared state received at this sync, to adopt
+    launched: Tensor | None = None  # keep_local_progress: this rank's local weights of the fragment at the launch
 
 
 OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
@@ -148,6 +149,13 @@ class PeriodicSyncStrategy(CommStrategy):
             an MoE bias all-reduce, ``verify_sync_every``, buffers synchronised for a checkpoint).
         fragment_update_alpha: the local weights of a synced fragment become
             ``alpha * local + (1 - alpha) * global``, in [0, 1] (0: restart from the global model).
+        keep_local_progress: with a delay, keep the inner steps taken while the exchange was in
+            flight: the fragment's local weights become the new start point plus their change since
+            the exchange started (``w_start' + (w_local_now - w_local_at_launch)``), and the next
+            block's pseudo-gradient carries those steps. Off (default), they are mixed away by
+            ``fragment_update_alpha`` (Streaming DiLoCo's rule, which at ``alpha = 0`` discards
+            ``fragment_sync_delay`` steps of every fragment per sync). Needs ``fragment_update_alpha=0``;
+            costs one copy of the fragment while it is in flight. Without a delay it changes nothing.
         fault_tolerance: ``None`` (default), or the settings (a dict or a
             :class:`~lightning_commstrats.fault_tolerance.FaultTolerance`: ``lighthouse``,
             ``replica_id``, ``min_replicas``...) that make this job one *replica* of a run that
@@ -180,6 +188,7 @@ class PeriodicSyncStrategy(CommStrategy):
         num_fragments: int = 1,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
+        keep_local_progress: bool = False,
         fault_tolerance: FaultTolerance | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -239,6 +248,13 @@ class PeriodicSyncStrategy(CommStrategy):
             )
         if not _is_number(fragment_update_alpha) or not 0.0 <= fragment_update_alpha <= 1.0:
             raise ValueError(f"fragment_update_alpha must be a number in [0, 1], got {fragment_update_alpha!r}")
+        if not isinstance(keep_local_progress, bool):
+            raise ValueError(f"keep_local_progress must be True or False, got {keep_local_progress!r}")
+        if keep_local_progress and fragment_update_alpha != 0.0:
+            raise ValueError(
+                f"keep_local_progress=True keeps every local step, fragment_update_alpha={fragment_update_alpha!r}"
+                " would mix them again: pass fragment_update_alpha=0"
+            )
         if not _is_number(outer_lr) or outer_lr <= 0:
             raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}")
         if not _is_number(outer_momentum) or not 0.0 <= outer_momentum < 1.0:
@@ -260,6 +276,7 @@ class PeriodicSyncStrategy(CommStrategy):
         self.num_fragments = num_fragments
         self.fragment_sync_delay = fragment_sync_delay
         self.fragment_update_alpha = fragment_update_alpha
+        self.keep_local_progress = keep_local_progress
         self.fault_tolerance = ft
         self._replica: ReplicaSync | None = None  # the replica's torchft membership (its rank 0 only)
         self._relay: Communicator | None = None  # the replica's ranks, for what its rank 0 decided
@@ -454,11 +471,14 @@ class PeriodicSyncStrategy(CommStrategy):
         assert self.outer is not None
         if self._inflight is not None:
             raise RuntimeError(f"fragment {fragment} is due while fragment {self._inflight.fragment} is in flight")
-        grad = self.outer.start_point(fragment) - self.flat_weights(fragment)
+        local = self.flat_weights(fragment)
+        grad = self.outer.start_point(fragment) - local
         named = self._named_views(fragment, grad)
         self._block_start[fragment] = self._progress()
         delay = self.fragment_sync_delay if background else 0
         pending = _Exchange(fragment, self.optimizer_steps, self.optimizer_steps + delay, grad)
+        if self.keep_local_progress and delay:
+            pending.launched = local
         if self.fault_tolerance is not None:
             self._shared = self._shared_state(pending)  # read by a healing peer during this sync's quorum
         if background and (self.world_size > 1 or self.fault_tolerance is not None):
@@ -517,7 +537,11 @@ class PeriodicSyncStrategy(CommStrategy):
         self.outer.step(f, pending.grad)
         start = self.outer.start_point(f)
         alpha = self.fragment_update_alpha
-        self.load_flat(start if alpha == 0 else torch.lerp(start, self.flat_weights(f), alpha), f)
+        if pending.launched is not None and pending.healed is None:
+            # the steps taken since the launch, on top of the new start point
+            self.load_flat(self.flat_weights(f).sub_(pending.launched).add_(start), f)
+        else:
+            self.load_flat(start if alpha == 0 else torch.lerp(start, self.flat_weights(f), alpha), f)
         if self.reset_sgd_momentum:
             ids = {id(p) for p in self.fragment_params(f)}
             for optimizer in self.optimizers:
@@ -933,6 +957,8 @@ class PeriodicSyncStrategy(CommStrategy):
             "weights": local,
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "exchange": self.exchange.state_dict() if self._exchange is not None else None,
+            # keep_local_progress: this rank's weights of the fragment in flight when it left
+            "launched": None if self._inflight is None else self._inflight.launched,
         }
 
     @override
@@ -964,6 +990,9 @@ class PeriodicSyncStrategy(CommStrategy):
             grad = saved["grad"].to(self.root_device, torch.float32)
             self._inflight = _Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
             self._inflight.nonfinite = saved.get("nonfinite")
+            launched = rank_state.get("launched")
+            if launched is not None:
+                self._inflight.launched = launched.to(self.root_device, torch.float32)
         if rank_state["weights"] is not None:
             self.load_flat(rank_state["weights"].to(self.root_device))
         elif self.outer is not None:  # resharded: every fragment restarts from its block's start point

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy, refuse_outer_arguments
+from lightning_commstrats.strategies.streaming_diloco import default_delay
 
 
 class SparseLoCoStrategy(PeriodicSyncStrategy):
@@ -27,6 +28,13 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
        same everywhere: ``G = mean_r s_r``;
     4. the outer step is plain SGD, ``w = w - outer_lr * G`` (no momentum: the decayed error
        feedback accumulates what momentum would, rank by rank), and every rank restarts from ``w``.
+
+    Overlapped by default: the exchange runs in a background thread while the next block trains
+    (``fragment_sync_delay=1``), and lands one inner step later on top of that step's progress
+    (``keep_local_progress=True``: the rank's weights become ``w`` plus the step taken meanwhile, so
+    no local step is discarded). A sparse payload is a few hundred kilobytes even for a model of
+    millions of weights: one step hides it on links of a few Mbit/s, and the outer step it delays
+    is one inner step stale. ``fragment_sync_delay=0`` blocks instead (SparseLoCo as the paper runs it).
 
     Small tensors (1-D, or at most ``small_tensor_numel`` values: biases, norms) are averaged
     densely in fp32, as every periodic scheme does.
@@ -50,9 +58,12 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
       bytes (positions dominate the payload at 2 bits); 32 sends them as float32.
     - ``sync_period`` (``H``, default 30 as Covenant-72B): as for DiLoCo; sparse payloads are so
       small that ``H`` can be chosen for quality, not for bandwidth.
-    - ``num_fragments`` / ``fragment_sync_delay``: stream the sync in fragments and overlap each
-      exchange with that many inner steps (as ``streaming_diloco``), so the encode and the
-      all-gather run behind training.
+    - ``fragment_sync_delay`` (1) and ``keep_local_progress`` (True): how many inner steps the
+      exchange overlaps, and whether the steps taken meanwhile are kept (see above). Raise the delay
+      when the link is so slow that one step does not cover the all-gather (the comm statistics'
+      wait time says so).
+    - ``num_fragments``: stream the sync in fragments (as ``streaming_diloco``), so that one
+      fragment's encode and all-gather run behind training at a time.
 
     Reference: A. Sarfi, B. Thérien, J. Lidin, E. Belilovsky, "Communication Efficient LLM
     Pre-training with SparseLoCo", 2025. The paper quantizes the kept values on a statistical
@@ -66,6 +77,9 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         topk_chunk: values per chunk (default 4096).
         topk_per_chunk: values kept per chunk (default 64).
         error_feedback_decay: ``beta`` (default 0.95).
+        fragment_sync_delay: inner steps the exchange overlaps (default ``None``: 1, or 0 when the
+            schedule allows none).
+        keep_local_progress: keep the steps taken while the exchange is in flight (default True).
         **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`
             arguments (``num_fragments``, ``fragment_sync_delay``, ``small_tensor_numel``, ``backend``,
             ``fault_tolerance``...).
@@ -86,8 +100,12 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         topk_chunk: int = 4096,
         topk_per_chunk: int = 64,
         error_feedback_decay: float = 0.95,
+        fragment_sync_delay: int | None = None,
+        keep_local_progress: bool = True,
         **kwargs: Any,
     ) -> None:
+        if fragment_sync_delay is None:
+            fragment_sync_delay = default_delay(sync_period, kwargs.get("num_fragments", 1), most=1)
         if "pseudo_grad_codec" in kwargs and kwargs["pseudo_grad_codec"] != "topk":
             raise ValueError(
                 f"SparseLoCoStrategy sends top-k values (pseudo_grad_codec='topk'), got"
@@ -111,5 +129,7 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
             topk_chunk=topk_chunk,
             topk_per_chunk=topk_per_chunk,
             error_feedback_decay=error_feedback_decay,
+            fragment_sync_delay=fragment_sync_delay,
+            keep_local_progress=keep_local_progress,
             **kwargs,
         )

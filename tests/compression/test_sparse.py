@@ -175,7 +175,10 @@ def test_bad_settings_are_refused_at_construction(build, message):
 def test_sparseloco_preset_is_outer_sgd_without_momentum_over_the_topk_exchange():
     s = SparseLoCoStrategy(sync_period=16, num_fragments=2, fragment_sync_delay=1)
     assert (s.pseudo_grad_codec, s.pseudo_grad_bits, s.topk_chunk, s.topk_per_chunk) == ("topk", 2, 4096, 64)
-    assert s.error_feedback_decay == 0.95 and s.fragment_sync_delay == 1
+    assert s.error_feedback_decay == 0.95 and s.fragment_sync_delay == 1 and s.keep_local_progress
+    assert SparseLoCoStrategy(sync_period=1).fragment_sync_delay == 0  # no room for a delay
+    with pytest.raises(ValueError, match="keep_local_progress=True keeps every local step"):
+        SparseLoCoStrategy(fragment_update_alpha=0.5)
     outer = s.outer_factory()([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(outer, torch.optim.SGD)
     assert outer.param_groups[0]["lr"] == 1.0 and outer.param_groups[0]["momentum"] == 0.0

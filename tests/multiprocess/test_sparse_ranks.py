@@ -72,7 +72,7 @@ def test_sparseloco_averages_bytes_and_outer_step_on_three_ranks():
         "sparse": {
             "strategy": "sparseloco",
             "devices": 3,
-            "kwargs": {**sparse, "small_tensor_numel": 0},
+            "kwargs": {**sparse, "small_tensor_numel": 0, "fragment_sync_delay": 0},
             "record_exchange": True,
             "state_trace": True,
         },

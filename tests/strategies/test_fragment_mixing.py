@@ -37,17 +37,18 @@ class UnitSteps(BoringModel):
         return DataLoader(RandomDataset(1, 64), batch_size=1)
 
 
-def expected(alpha: float, steps: int = 12) -> tuple[list[float], float]:
-    """The trace after every step and the final weight, from the rule (not from the package)."""
-    local, start, trace, launched, pending = 0.0, 0.0, [], None, 0.0
+def expected(alpha: float, steps: int = 12, keep: bool = False) -> tuple[list[float], float]:
+    """The trace after every step and the final weight, from the rule (not from the package); with
+    ``keep`` (keep_local_progress) the fragment becomes the new start plus the steps since the launch."""
+    local, start, trace, launched, pending, at_launch = 0.0, 0.0, [], None, 0.0, 0.0
     for step in range(1, steps + 1):
         local += 0.25
         if launched is not None and step == launched + 1:  # tau = 1: the outer step lands
             start = start - 1.0 * pending  # outer SGD, lr 1: start - G
-            local = alpha * local + (1 - alpha) * start
+            local = start + (local - at_launch) if keep else alpha * local + (1 - alpha) * start
             launched = None
         if step % 4 == 0:  # H = 4: this block's pseudo-gradient leaves
-            pending, launched = start - local, step
+            pending, launched, at_launch = start - local, step, local
         trace.append(local)
     final = start - pending if launched is not None else start  # the end-of-fit sync: the global model
     return trace, final
@@ -82,3 +83,35 @@ def test_the_local_fragment_mixes_with_the_global_one(alpha):
     assert model.layer.weight.item() == final
     if alpha == 0.5:  # written out once: step 5 mixes 1.25 with the global 1
         assert trace[4] == 1.125 and trace[8] == 2.0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_local_progress_keeps_the_steps_taken_while_the_exchange_was_in_flight(keep):
+    model = UnitSteps()
+    strategy = StreamingDiLoCoStrategy(
+        sync_period=4,
+        num_fragments=1,
+        fragment_sync_delay=1,
+        keep_local_progress=keep,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        pseudo_grad_bits=32,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=12,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    trace, final = expected(0.0, keep=keep)
+    assert model.trace == trace
+    assert model.layer.weight.item() == final
+    # kept: every one of the 12 steps of +1/4 is in the final model; replaced: the step after each of
+    # the two syncs that landed during training is lost
+    assert final == (3.0 if keep else 2.5)
