@@ -41,7 +41,9 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
       means the update lands on weights that moved on (the paper: up to 5 steps at ``H=100`` cost
       little). Must be < ``H / F``, so one fragment at most is in flight.
     - ``fragment_update_alpha``: 0 (default) replaces the local fragment by the global one and
-      loses the ``tau`` local steps on that fragment; the paper's 0.5 keeps half of them.
+      loses the ``tau`` local steps on that fragment; the paper's 0.5 keeps half of them;
+      ``keep_local_progress=True`` (with alpha 0) keeps all of them, applied on top of the new
+      global fragment.
     - ``pseudo_grad_bits`` and ``pseudo_grad_codec``: 4 bits by default, as the paper, but by
       default not the paper's codec: ``"uniform"`` sends 16 evenly spaced levels between two
       float32 scales per row (``lo``, ``hi`` = the row's ``mean +- 2.7 std`` clipped to its
@@ -51,6 +53,16 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
       magnitude; the paper does not say how it scales). ``benchmarks/results/codec_quality/``
       compares the two. 8 or 2 bits also work (uniform only).
     - ``sync_period``, ``outer_lr``, ``outer_momentum``, ``outer_optimizer``: as ``diloco``.
+
+    The phase: a fragment's exchange starts at its turn (when its block of ``H`` inner steps ends)
+    and lands ``tau`` steps later. torchft starts it ``tau`` steps before the turn and lands it at
+    the turn; the two are the same algorithm shifted by ``tau`` steps (this strategy's weights equal
+    torchft's bit for bit once torchft's fragment counter is shifted by the delay). This package
+    starts at the turn on purpose: the turn is then when the block ends whatever ``tau`` is, so
+    changing the delay moves only when a result lands, never which steps a pseudo-gradient covers,
+    and with ``keep_local_progress=True`` every block holds exactly ``H`` steps of every rank's
+    progress. ``benchmarks/compare.py`` runs both at 32 bits side by side to measure what the shift
+    costs at equal samples.
 
     The schedule counts optimizer steps (``sync_period_unit="steps"``). Fragments are contiguous
     runs of parameters; the paper's strided assignment (layer ``i`` to fragment ``i mod F``) is
