@@ -13,7 +13,8 @@ scheme composes with every codec:
   two means at 1 bit, a uniform grid of ``2^bits`` levels on ``[lo, hi]`` per line at 2, 4, 8 bits,
   half floats at 16) or ``codec="e3m0"`` at 4 bits (:class:`~lightning_commstrats.compression.E3M0Codec`,
   Streaming DiLoCo's 4-bit float: ``+-scale * 2^e`` on one scale per line);
-- ``codec="topk"``: matrices go sparse (:class:`~lightning_commstrats.compression.sparse.SparseAllGather`,
+- ``codec="topk"``: tensors of more than ``small_tensor_numel`` values, 1-D ones included, go sparse
+  (:class:`~lightning_commstrats.compression.sparse.SparseAllGather`,
   SparseLoCo's exchange: the ``topk_per_chunk`` largest values of every chunk of ``topk_chunk``
   values in ``bits`` bits with their positions, all-gathered, and decayed error feedback), the rest
   in fused fp32 all-reduces.
@@ -191,8 +192,12 @@ class TensorExchange:
             self.quantized = QuantizedAllReduce(line_codec, comm, tag=f"{tag}_quantized", by_rows=self.by_rows)
 
     def quantizes(self, t: Tensor) -> bool:
-        """Whether ``t`` travels quantized or sparse (a matrix of more than ``small_tensor_numel`` values)."""
-        return self.quantized is not None and t.dim() >= 2 and t.numel() > self.small_tensor_numel
+        """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values) or sparse
+        (any tensor of more than ``small_tensor_numel`` values: top-k needs no per-line scales, so a
+        long bias, such as an output layer's over the vocabulary, goes sparse too)."""
+        if self.quantized is None or t.numel() <= self.small_tensor_numel:
+            return False
+        return t.dim() >= 2 or isinstance(self.quantized, SparseAllGather)
 
     def average(self, named: Mapping[str, Tensor], *, quantize: bool = True, commit: bool = True) -> list[str]:
         """Replace every tensor of ``named`` with its average over ranks (identical on every rank).

@@ -36,8 +36,8 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     millions of weights: one step hides it on links of a few Mbit/s, and the outer step it delays
     is one inner step stale. ``fragment_sync_delay=0`` blocks instead (SparseLoCo as the paper runs it).
 
-    Small tensors (1-D, or at most ``small_tensor_numel`` values: biases, norms) are averaged
-    densely in fp32, as every periodic scheme does.
+    Tensors of at most ``small_tensor_numel`` values (1024: biases, norms) are averaged densely in
+    fp32; a longer 1-D tensor (an output layer's bias over the vocabulary) goes sparse like a matrix.
 
     Bytes: one payload per rank and sync is ``C * (8 + k * (ceil(log2 chunk) + bits) / 8)`` bytes
     for ``C`` chunks; a ring all-gather makes each rank send ``N - 1`` of them. At the defaults that
@@ -80,6 +80,9 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         fragment_sync_delay: inner steps the exchange overlaps (default ``None``: 1, or 0 when the
             schedule allows none).
         keep_local_progress: keep the steps taken while the exchange is in flight (default True).
+        num_fragments: fragments synced in turn (default 1: the whole model at once).
+        sync_period_unit: ``"steps"`` (default) or ``"samples"`` (per worker; one fragment, no delay).
+        pseudo_grad_codec: ``"topk"`` only (any other is refused: use ``DiLoCoStrategy``).
         **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`
             arguments (``num_fragments``, ``fragment_sync_delay``, ``small_tensor_numel``, ``backend``,
             ``fault_tolerance``...).
@@ -100,27 +103,32 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         topk_chunk: int = 4096,
         topk_per_chunk: int = 64,
         error_feedback_decay: float = 0.95,
+        num_fragments: int = 1,
         fragment_sync_delay: int | None = None,
         keep_local_progress: bool = True,
+        sync_period_unit: str = "steps",
+        pseudo_grad_codec: str = "topk",
         **kwargs: Any,
     ) -> None:
-        if fragment_sync_delay is None:
-            fragment_sync_delay = default_delay(sync_period, kwargs.get("num_fragments", 1), most=1)
-        if "pseudo_grad_codec" in kwargs and kwargs["pseudo_grad_codec"] != "topk":
+        if pseudo_grad_codec != "topk":
             raise ValueError(
                 f"SparseLoCoStrategy sends top-k values (pseudo_grad_codec='topk'), got"
-                f" pseudo_grad_codec={kwargs['pseudo_grad_codec']!r}; use DiLoCoStrategy for the dense codecs"
+                f" pseudo_grad_codec={pseudo_grad_codec!r}; use DiLoCoStrategy for the dense codecs"
             )
-        kwargs.pop("pseudo_grad_codec", None)
+        # a CLI passes every argument of the base, unset ones as None: only a value given is refused
         refuse_outer_arguments(
-            {k: v for k, v in kwargs.items() if k != "outer_lr"},
+            {k: v for k, v in kwargs.items() if v is not None},
             "SparseLoCoStrategy",
             "outer_lr; the error feedback takes the place of outer momentum",
         )
-        unit = kwargs.pop("sync_period_unit", "steps")
+        kwargs = {
+            k: v for k, v in kwargs.items() if k not in ("outer_optimizer", "outer_momentum", "outer_optimizer_kwargs")
+        }
+        if fragment_sync_delay is None:
+            fragment_sync_delay = default_delay(sync_period, num_fragments, most=1)
         super().__init__(
             sync_period=sync_period,
-            sync_period_unit=unit,
+            sync_period_unit=sync_period_unit,
             outer_optimizer="torch.optim.SGD",
             outer_lr=outer_lr,
             outer_momentum=0.0,
@@ -129,6 +137,7 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
             topk_chunk=topk_chunk,
             topk_per_chunk=topk_per_chunk,
             error_feedback_decay=error_feedback_decay,
+            num_fragments=num_fragments,
             fragment_sync_delay=fragment_sync_delay,
             keep_local_progress=keep_local_progress,
             **kwargs,

@@ -144,12 +144,13 @@ def test_a_nonfinite_value_is_reported_and_leaves_the_error_feedback_as_it_was(b
         assert torch.equal(exchange.residuals[n], before[n])
 
 
-def test_small_tensors_stay_dense_and_matrices_go_sparse():
+def test_small_tensors_stay_dense_and_large_ones_go_sparse():
     ex = TensorExchange(LocalCommunicator(), 2, codec="topk", small_tensor_numel=16, topk_chunk=64, topk_per_chunk=4)
     assert isinstance(ex.quantized, SparseAllGather)
-    assert (
-        ex.quantizes(torch.zeros(8, 8)) and not ex.quantizes(torch.zeros(100)) and not ex.quantizes(torch.zeros(4, 4))
-    )
+    assert ex.quantizes(torch.zeros(8, 8)) and ex.quantizes(torch.zeros(100))  # a long bias too
+    assert not ex.quantizes(torch.zeros(4, 4)) and not ex.quantizes(torch.zeros(16))
+    dense4 = TensorExchange(LocalCommunicator(), 4, small_tensor_numel=16)
+    assert dense4.quantizes(torch.zeros(8, 8)) and not dense4.quantizes(torch.zeros(100))
 
 
 @pytest.mark.parametrize(
