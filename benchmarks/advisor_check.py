@@ -81,6 +81,8 @@ def spec_of(entry: compare.Entry) -> Spec | None:
         return Spec("postlocal", {"period": args.get("period", 8)}, args.get("start_iter", 10))
     if path == "peers.DiLoCoDDP":
         return Spec("diloco_peer", {"period": args.get("sync_period", 500)})
+    if path == "peers_torchft.TorchFTDiLoCo":  # fp32 all-reduce of every tensor once per H steps, streaming too
+        return Spec("diloco_peer", {"period": args.get("sync_period", 16)})
     module, _, name = path.rpartition(".")
     if module != "lightning_commstrats":
         raise ValueError(f"{entry.key}: no prediction for {path}")

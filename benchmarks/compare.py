@@ -20,6 +20,22 @@ multi-node launch (Lightning ``num_nodes=N``, ``MASTER_ADDR`` / ``NODE_RANK`` / 
     python benchmarks/compare.py --only ddp diloco_8bit --seeds 0   # a few entries (keys or labels)
     python benchmarks/compare.py --scaling              # ring all-reduce bytes per rank for 2, 4, 8 ranks
 
+torchft's DiLoCo and Streaming DiLoCo race as peers (``benchmarks/peers_torchft.py``: a Lightning
+strategy on torchft's ``Manager``, ``ProcessGroupGloo`` and ``local_sgd.DiLoCo``; fp32, as torchft
+quantizes only on CUDA). For each run of such an entry, ``launch()`` starts torchft's Lighthouse
+(``min_replicas`` = the ranks) on a host of its own that ``race()`` adds to the emulated cluster
+(on loopback at 127.0.0.1), hands its address to every rank in ``TORCHFT_LIGHTHOUSE``, starts each
+rank under ``unshare --uts`` with its address as host name (torchft advertises the host name), and
+stops the Lighthouse after the run:
+
+    python benchmarks/compare.py --only torchft_diloco_h16 torchft_streaming_h16 torchft_diloco_h32 --seeds 0 1
+    python benchmarks/compare.py --rates 10 --only alone torchft_diloco_h16 diloco_peer_h16 --seeds 0
+    python benchmarks/compare.py --quick --seeds 0 --only alone torchft_diloco_h16 torchft_streaming_h16
+
+Table (c) has a compute-utilisation column: the no-communication limit's (``alone``) mean seconds
+per step over the entry's, per rate folder, when ``alone`` was measured there under the same
+settings (``compute_utilisation`` in ``results.json``'s rows).
+
 Without root (or where ``ip netns`` is refused) it runs on loopback instead and says so in every
 output: loopback has no rate limit, so times there say nothing about slow networks.
 """
@@ -27,6 +43,7 @@ output: loopback has no rate limit, so times there say nothing about slow networ
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import math
@@ -67,6 +84,8 @@ QUICK_BUDGET_SECONDS = 8.0
 INNER_OPTIMIZER = ["--model.optimizer=adamw", "--model.weight_decay=0.01"]
 WARM_STEPS = 16  # warm start in fp32 DDP steps for PowerSGD, post-local SGD and 1-bit SGD
 DILOCO_H = 32  # inner steps between outer steps for every DiLoCo entry (paper: 500, longer than the race)
+# torchft's DiLoCo entries: the outer optimizer of every DiLoCo entry (Nesterov SGD, lr 0.7, momentum 0.9)
+TORCHFT_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
 
 
 def ddp_seconds_to_target(rate_mbit: float | None) -> float:
@@ -87,6 +106,7 @@ class Entry:
     strategy: Any  # a registry name or a {"class_path", "init_args"} dict
     kind: str  # "peer", "ours" or "limit"
     predict: dict[str, Any] = field(default_factory=dict)  # cost-model scheme, see predicted_comm()
+    torchft: bool = False  # needs a torchft Lighthouse (started by launch()) and UTS host names
 
 
 def entries() -> list[Entry]:
@@ -147,7 +167,78 @@ def entries() -> list[Entry]:
             "peer",
             {"scheme": "ring", "period": 16},
         ),
+        Entry(
+            f"torchft_diloco_h{h}",
+            f"torchft diloco (fp32, paper outer opt., H {h})",
+            {"class_path": "peers_torchft.TorchFTDiLoCo", "init_args": {"sync_period": h, **TORCHFT_OUTER}},
+            "peer",
+            {"scheme": "ring", "period": h},
+            torchft=True,
+        ),
+        Entry(
+            "torchft_diloco_h16",
+            "torchft diloco (tuned: H 16, fp32)",
+            {"class_path": "peers_torchft.TorchFTDiLoCo", "init_args": {"sync_period": 16, **TORCHFT_OUTER}},
+            "peer",
+            {"scheme": "ring", "period": 16},
+            torchft=True,
+        ),
+        Entry(
+            "torchft_streaming_h16",
+            "torchft streaming diloco (H 16, 4 fragments, delay 1, fp32)",
+            {
+                "class_path": "peers_torchft.TorchFTDiLoCo",
+                "init_args": {
+                    "sync_period": 16,
+                    "num_fragments": 4,
+                    "fragment_sync_delay": 1,
+                    "fragment_update_alpha": 0.0,
+                    **TORCHFT_OUTER,
+                },
+            },
+            "peer",
+            {"scheme": "ring", "period": 16},
+            torchft=True,
+        ),
         Entry("allreduce", "allreduce", "allreduce", "ours", {"scheme": "ring"}),
+        Entry(
+            "diloco_32bit_h16",
+            "diloco (fp32, H 16)",
+            {
+                "class_path": "lightning_commstrats.DiLoCoStrategy",
+                "init_args": {"sync_period": 16, "outer_lr": 0.7, "outer_momentum": 0.9, "pseudo_grad_bits": 32},
+            },
+            "ours",
+            {"scheme": "ring", "period": 16},
+        ),
+        *(
+            Entry(
+                f"streaming_diloco_h16_{bits}bit",
+                f"streaming diloco (H 16, 4 fragments, delay 1, {bits}-bit)",
+                {
+                    "class_path": "lightning_commstrats.StreamingDiLoCoStrategy",
+                    "init_args": {
+                        "sync_period": 16,
+                        "num_fragments": 4,
+                        "fragment_sync_delay": 1,
+                        "fragment_update_alpha": 0.0,
+                        "pseudo_grad_bits": bits,
+                    },
+                },
+                "ours",
+                {"scheme": "ring", "period": 16, "scale": bits / 32},
+            )
+            for bits in (4, 32)
+        ),
+        *(
+            Entry(
+                f"sparseloco_h{period}",
+                f"sparseloco (top 64/4096, 2-bit, H {period}, overlapped 1 step)",
+                {"class_path": "lightning_commstrats.SparseLoCoStrategy", "init_args": {"sync_period": period}},
+                "ours",
+            )
+            for period in (16, 32)
+        ),
         Entry(
             "onebit_sgd",
             f"onebit_sgd (start {warm})",
@@ -293,6 +384,7 @@ QUICK_KEYS = (
     "powersgd_r1",
     "postlocal_p4",
     "diloco_peer",
+    "torchft_streaming_h16",  # left out where torchft is not installed
     "allreduce",
     "onebit_sgd",
     "bmuf",
@@ -329,6 +421,7 @@ def settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
         "val_every": args.val_every,
         "val_batches": args.val_batches,
         "max_steps": args.max_steps,
+        "equal_steps": getattr(args, "equal_steps", None),
         "recipe_args": args.recipe_args,
     }
 
@@ -342,8 +435,8 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
         init = {
             "out": str(out),
             "samples_per_step": args.batch_size * (1 if alone else n),
-            "target_ppl": args.target_ppl,
-            "budget_seconds": args.budget_seconds,
+            "target_ppl": None if getattr(args, "equal_steps", None) else args.target_ppl,
+            "budget_seconds": None if getattr(args, "equal_steps", None) else args.budget_seconds,
         }
         return f"--trainer.callbacks={json.dumps([{'class_path': 'probe.BenchProbe', 'init_args': init}])}"
 
@@ -369,6 +462,7 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
     strategy = entry.strategy if isinstance(entry.strategy, str) else json.dumps(entry.strategy)
     env = launcher_free_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]), PYTHONUNBUFFERED="1")
+    lighthouse = TorchFTLighthouse(n, cluster, run_dir, env) if entry.torchft else None
     logs = [open(run_dir / f"log{i}.txt", "w") for i in range(n)]
     start = time.perf_counter()
     procs = []
@@ -394,6 +488,11 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
                     "NODE_RANK": str(i),
                     "LOCAL_RANK": "0",
                 }
+            if lighthouse is not None:
+                address = cluster.address(i) if cluster else "127.0.0.1"
+                rank_env.update(TORCHFT_LIGHTHOUSE=lighthouse.address, BENCH_HOST_ADDRESS=address)
+                if cluster:  # torchft advertises socket.gethostname(): make it the rank's address
+                    cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', address, *cmd]
             if cluster:
                 rank_env["GLOO_SOCKET_IFNAME"] = "eth0"
                 procs.append(cluster.popen(i, cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
@@ -406,10 +505,45 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
         wait_all(procs, 0.0)  # kills what an error left running
         for f in logs:
             f.close()
+        if lighthouse is not None:
+            lighthouse.stop()
     if any(p.returncode != 0 for p in procs):
         tail = (run_dir / "log0.txt").read_text()[-3000:]
         raise RuntimeError(f"{entry.label} (seed {seed}) failed or timed out (logs in {run_dir}):\n{tail}")
     return time.perf_counter() - start
+
+
+class TorchFTLighthouse:
+    """torchft's Lighthouse for one run of a torchft entry (``peers_torchft.py lighthouse``), with
+    ``min_replicas`` = the ranks. On the emulated cluster it runs on the spare host that ``race()``
+    adds for torchft entries (host ``n``, on the same switch as every rank; host 0 if there is none),
+    on loopback at 127.0.0.1. ``address`` is what the ranks get in ``TORCHFT_LIGHTHOUSE``."""
+
+    def __init__(self, n: int, cluster: EmulatedCluster | None, run_dir: Path, env: dict[str, str]) -> None:
+        host = n if cluster is not None and cluster.hosts > n else 0
+        cmd = [sys.executable, str(HERE / "peers_torchft.py"), "lighthouse", "--min-replicas", str(n)]
+        path = run_dir / "lighthouse.txt"
+        self.log = open(path, "w")
+        kwargs: dict[str, Any] = {"env": env, "stdout": self.log, "stderr": subprocess.STDOUT}
+        self.proc = cluster.popen(host, cmd, **kwargs) if cluster else subprocess.Popen(cmd, **kwargs)
+        deadline = time.monotonic() + 120
+        while "listening at" not in (text := path.read_text()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"torchft's Lighthouse did not start:\n{text[-3000:]}")
+            time.sleep(0.1)
+        port = text.split("listening at", 1)[1].split()[0].rsplit(":", 1)[1]
+        self.address = f"http://{cluster.address(host) if cluster else '127.0.0.1'}:{port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
 
 
 def summarize(entry: Entry, run_dir: Path, wall: float, seed: int, loopback: bool) -> dict[str, Any]:
@@ -552,6 +686,17 @@ def figures(rows: list[dict[str, Any]], target: float | None, budget: float | No
     return out
 
 
+def add_utilisation(rows: list[dict[str, Any]]) -> None:
+    """Set every row's ``compute_utilisation``: the no-communication limit's mean seconds per step
+    (the ``alone`` rows of the same folder, mean over seeds) over the row's seconds per step (training
+    seconds / steps), so 1 is the compute-bound limit; None where there is no ``alone`` row."""
+    alone = [r["seconds_per_step"] for r in rows if r["kind"] == "limit" and r.get("seconds_per_step")]
+    reference = statistics.fmean(alone) if alone else None
+    for r in rows:
+        sps = r.get("seconds_per_step")
+        r["compute_utilisation"] = reference / sps if reference and sps else None
+
+
 def _fewer(reference: float | None, value: float | None) -> str:
     """``reference / value`` as "123x" (``-`` when either is unknown or the value is zero)."""
     if not reference or not value:
@@ -590,6 +735,7 @@ def header(
     args: argparse.Namespace, where: str, rate: float | None, samples: float | None, seconds: float | None
 ) -> list[str]:
     target = f"{args.target_ppl:g}" if args.target_ppl else "none"
+    equal_steps = getattr(args, "equal_steps", None)
     source = {
         "quick": "`QUICK_TARGET_PPL` in compare.py, for the smoke run",
         "standard": "`STANDARD_TARGET_PPL` in compare.py, measured once in a separate ddp run (see"
@@ -604,21 +750,29 @@ def header(
         f" + a 100 Mbit/s link's {DDP_LINK_SECONDS_PER_STEP_AT_100MBIT:.3f} s x 100 / rate, measured on this"
         " project's 2-core machine; compare with ddp's row below)",
         "given": "given with `--budget-seconds`",
+        "equal_steps": f"`--equal-steps {equal_steps}`: every entry trains for exactly that many steps",
     }[args.budget_source]
     return [
         f"# Race: {args.ranks} ranks, {where}",
         "",
         f"- **Where**: {where}.",
         f"- **Target**: validation perplexity {target} ({source}).",
-        f"- **Budget**: {budget} of training per entry ({budget_src}); validation time is not counted. A run"
-        f" stops at the first validation at or below the target or at or past the budget (decided on rank 0,"
-        f" broadcast to all); the safety cap of {args.max_steps} steps never ended a run unless a row says so.",
+        (
+            f"- **Budget**: none ({budget_src}, whatever the target and the time; the time to target below is"
+            " read from each run's validations); validation time is not counted."
+            if equal_steps
+            else f"- **Budget**: {budget} of training per entry ({budget_src}); validation time is not counted."
+            " A run stops at the first validation at or below the target or at or past the budget (decided on"
+            f" rank 0, broadcast to all); the safety cap of {args.max_steps} steps never ended a run unless a"
+            " row says so."
+        ),
         f"- **Seeds**: {' '.join(str(s) for s in args.seeds)} (every entry once per seed; quality figures are"
         " the mean over seeds with the (min-max) spread).",
         f"- **Setting**: config `{Path(args.config).name}`, {args.batch_size} windows per rank and step,"
         f" validation every {args.val_every} steps on {args.val_batches} batches per rank (this package's"
-        " periodic strategies and the DiLoCo peer validate their global model, that of the last"
-        " synchronisation, so their curves move at syncs; post-local SGD validates each rank's local weights);"
+        " periodic strategies and the DiLoCo peers, plain torch and torchft, validate their global model, that"
+        " of the last synchronisation, so their curves move at syncs; post-local SGD validates each rank's"
+        " local weights);"
         f" inner optimizer for every entry: `{' '.join(INNER_OPTIMIZER)}` (learning rate from the config);"
         f" extra recipe arguments: `{' '.join(args.extra) or 'none'}`.",
         f"- **Equal samples**: {_fmt(samples, '{:.0f}')} samples (the smallest final sample count of the"
@@ -631,6 +785,7 @@ def header(
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, rate: float | None) -> str:
+    add_utilisation(rows)
     samples, seconds = common_points(rows)
     fig = figures(rows, args.target_ppl, args.budget_seconds)
     byk = group(rows)
@@ -663,14 +818,17 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, rate
         " on loopback the `lo` counter divided by the ranks, which also counts any other local traffic) and"
         " this package's `comm_stats` (training"
         " collectives only). Comm share: seconds inside collectives / training seconds (this package's"
-        " `comm_stats`; the DiLoCo peer times its outer all-reduce; unknown for DDP's hooks). Predicted comm:"
+        " `comm_stats`; the plain-torch DiLoCo peer times its outer all-reduce, the torchft peers torchft's"
+        " whole sync hook: quorum, all-reduce wait, commit and outer step; unknown for DDP's hooks). Compute"
+        " util.: the no-communication limit's (`alone`) mean s/step over the entry's s/step (100% is"
+        " compute-bound; '-' without an `alone` row in this folder). Predicted comm:"
         " the cost model's seconds per step at the link rate. Fewer bytes than ddp: ddp's interface bytes per"
         " step and rank in this table over the entry's (means over seeds).",
         "",
-        "| run | kind | time to target s | stop (per seed) | steps | train s | s/step | median batch s"
+        "| run | kind | time to target s | stop (per seed) | steps | train s | s/step | compute util. | median batch s"
         " | predicted comm s/step | comm s/step | comm share | MB/step/rank (interface) | MB/step/rank (comm_stats)"
         " | fewer bytes than ddp | final val ppl |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ddp_tx = _mean(fig["ddp"]["tx"]) if "ddp" in fig else None
     for key, f in fig.items():
@@ -693,6 +851,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, where: str, rate
             _spread([r["steps"] for r in runs], "{:.0f}"),
             _spread([r["train_seconds"] for r in runs], "{:.0f}"),
             _spread([r["seconds_per_step"] for r in runs], "{:.3f}"),
+            _spread([u * 100 if (u := r.get("compute_utilisation")) is not None else None for r in runs], "{:.0f}%"),
             _spread([r["median_step_s"] for r in runs], "{:.3f}"),
             _fmt(pred, "{:.3f}"),
             _spread([r["comm_s_per_step"] for r in runs], "{:.3f}"),
@@ -825,19 +984,26 @@ class cluster_or_loopback:
     """The emulated cluster for ``args.ranks`` hosts at ``rate``, or loopback (and why)."""
 
     def __init__(
-        self, args: argparse.Namespace, rate: float, groups: int = 1, uplink_mbit: float | None = None
+        self,
+        args: argparse.Namespace,
+        rate: float,
+        groups: int = 1,
+        uplink_mbit: float | None = None,
+        spare_hosts: int = 0,
     ) -> None:
         self.args = args
         self.rate = rate
         self.groups = groups
         self.uplink_mbit = uplink_mbit
+        self.spare_hosts = spare_hosts  # hosts past the ranks' (torchft's Lighthouse), one group only
         self.cluster: EmulatedCluster | None = None
 
     def __enter__(self) -> tuple[EmulatedCluster | None, str]:
         if getattr(self.args, "loopback", False):
             return None, "loopback (no rate limit)"
         try:
-            self.cluster = EmulatedCluster(self.args.ranks, self.rate, self.groups, self.uplink_mbit)
+            spare = self.spare_hosts if self.groups == 1 else 0
+            self.cluster = EmulatedCluster(self.args.ranks + spare, self.rate, self.groups, self.uplink_mbit)
             self.cluster.create()
             if self.groups > 1:
                 return self.cluster, (
@@ -873,7 +1039,13 @@ class saved_where:
 def race(args: argparse.Namespace, todo: list[Entry], every: list[Entry], rate: float, out: Path) -> str:
     """Run ``todo`` (every seed) at one link rate into ``out``; write and return the tables of every
     entry measured there under the same settings. Returns where it ran."""
-    with saved_where(out) if args.table_only else cluster_or_loopback(args, rate) as (cluster, where):
+    spare = 1 if any(e.torchft for e in todo) else 0  # a host of its own for torchft's Lighthouse
+    with (
+        saved_where(out) if args.table_only else cluster_or_loopback(args, rate, spare_hosts=spare) as (
+            cluster,
+            where,
+        )
+    ):
         loopback = where.startswith("loopback")
         rate_used = None if loopback else rate
         out = out.parent / "loopback" if loopback else out
@@ -882,6 +1054,8 @@ def race(args: argparse.Namespace, todo: list[Entry], every: list[Entry], rate: 
         )
         if args.quick and not args.given_budget:
             args.budget_seconds, args.budget_source = QUICK_BUDGET_SECONDS, "quick"
+        if getattr(args, "equal_steps", None):
+            args.budget_seconds, args.budget_source = None, "equal_steps"
         run_settings = settings(args, where)
         for entry in todo if not args.table_only else []:
             for seed in args.seeds:
@@ -908,6 +1082,7 @@ def race(args: argparse.Namespace, todo: list[Entry], every: list[Entry], rate: 
                 row = json.loads(p.read_text())
                 if row.get("settings") == run_settings:
                     rows.append(row)
+    add_utilisation(rows)  # into results.json's rows as well
     text = table(rows, args, where, rate_used)
     (out / "results.json").write_text(
         json.dumps({"where": where, "rate_mbit": rate_used, "settings": run_settings, "rows": rows}, indent=1)
@@ -933,6 +1108,12 @@ def main() -> None:
         help=f"training seconds per entry; default {BUDGET_FACTOR} x ddp's time to target",
     )
     parser.add_argument("--max-steps", type=int, default=100_000, help="safety cap on steps")
+    parser.add_argument(
+        "--equal-steps",
+        type=int,
+        help="train every entry for exactly this many steps (no stop at the target or the budget: quality at"
+        " equal samples over a whole run; time to target is still read from the curves)",
+    )
     parser.add_argument("--val-every", type=int, default=4, help="steps between validations")
     parser.add_argument("--val-batches", type=int, default=8, help="validation batches per rank")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -943,6 +1124,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "standard"))
     parser.add_argument("extra", nargs="*", help="extra recipe arguments after --")
     args = parser.parse_args()
+    if args.equal_steps:
+        args.max_steps = args.equal_steps
     if args.quick:
         args.config = str(REPO / "lightning_commstrats" / "configs" / "lstm_tiny.yaml")
         args.loopback = True
@@ -961,6 +1144,11 @@ def main() -> None:
         return
     every = entries()
     todo = select(every, args.only or (list(QUICK_KEYS) if args.quick else None))
+    if not args.table_only and any(e.torchft for e in todo) and importlib.util.find_spec("torchft") is None:
+        if args.only:
+            raise SystemExit("the torchft entries need torchft: pip install -e '.[ft]'")
+        print("torchft is not installed (pip install -e '.[ft]'): its entries are left out", flush=True)
+        todo = [e for e in todo if not e.torchft]
     sections = []
     for rate in args.rates:
         where = race(args, todo, every, rate, out / f"rate{rate:g}")
