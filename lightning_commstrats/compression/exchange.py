@@ -260,11 +260,15 @@ class TensorExchange:
 
     def check_state(self, state: Mapping[str, Mapping[str, Tensor]], shapes: Mapping[str, torch.Size]) -> None:
         """Raise ``ValueError`` when saved residuals do not fit tensors of ``shapes`` on this rank."""
+        sparse = isinstance(self.quantized, SparseAllGather)
+        if any(state.get(kind) for kind in ("residuals", "residuals2")) and (state.get("codec") == "topk") != sparse:
+            saved = "sparse (codec='topk')" if state.get("codec") == "topk" else "dense (a line codec)"
+            raise ValueError(f"its residuals are {saved}, this run's codec is {self.codec!r}")
         for kind in ("residuals", "residuals2"):
             for name, res in state.get(kind, {}).items():
                 if name not in shapes:
                     raise ValueError(f"its residual for {name!r} has no tensor of that name in the model")
-                if isinstance(self.quantized, SparseAllGather):
+                if sparse:
                     if kind == "residuals2" or tuple(res.shape) != tuple(shapes[name]):
                         raise ValueError(
                             f"its {kind} for {name!r} have shape {tuple(res.shape)}, this model's sparse error"

@@ -62,20 +62,32 @@ def index_bits(chunk: int) -> int:
     return max(1, math.ceil(math.log2(chunk)))
 
 
+PACK_SLICE = 1 << 20  # integers per pass of pack_uint / unpack_uint: bounded scratch memory
+
+
 def pack_uint(values: Tensor, width: int) -> Tensor:
     """Pack non-negative integers below ``2^width`` (flat) into ``uint8``, ``width`` bits each, most
     significant bit first, one after the other with no padding between them (the last byte is
     zero-padded)."""
-    shifts = torch.arange(width - 1, -1, -1, device=values.device, dtype=torch.int64)
-    bits = (values.reshape(-1, 1).to(torch.int64) >> shifts) & 1
-    return pack_bits(bits.reshape(-1), 1)
+    flat = values.reshape(-1).to(torch.int32)
+    shifts = torch.arange(width - 1, -1, -1, device=values.device, dtype=torch.int32)
+    # slices of PACK_SLICE integers hold a whole number of bytes (PACK_SLICE * width bits)
+    parts = [
+        pack_bits(((part.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1), 1) for part in flat.split(PACK_SLICE)
+    ]
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
 def unpack_uint(packed: Tensor, width: int, count: int) -> Tensor:
     """Inverse of :func:`pack_uint`: the first ``count`` integers, as int64."""
-    bits = unpack_bits(packed, 1, count * width).to(torch.int64).view(count, width)
-    shifts = torch.arange(width - 1, -1, -1, device=packed.device, dtype=torch.int64)
-    return (bits << shifts).sum(1)
+    out = torch.empty(count, dtype=torch.int64, device=packed.device)
+    shifts = torch.arange(width - 1, -1, -1, device=packed.device, dtype=torch.int32)
+    step = PACK_SLICE * width // 8  # bytes of a whole slice
+    for i, start in enumerate(range(0, count, PACK_SLICE)):
+        n = min(PACK_SLICE, count - start)
+        bits = unpack_bits(packed[i * step : i * step + -(-n * width // 8)], 1, n * width).to(torch.int32)
+        out[start : start + n] = (bits.view(n, width) << shifts).sum(1)
+    return out
 
 
 def check_sparse_args(chunk: int, k: int, bits: int, decay: float, *, names: tuple[str, str, str, str]) -> None:
@@ -115,15 +127,21 @@ class TopKCodec:
         values = 4 * kept if self.bits == 32 else packed_bytes(kept, self.bits)
         return scales + packed_bytes(kept * self.index_bits, 1) + values
 
-    def encode(self, block: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def encode(self, block: Tensor, padding: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Returns ``(payload, positions, kept)``: the ``uint8`` payload, the kept positions ``[chunks, k]``
-        (int64, ascending in each row) and the values the payload rebuilds there (float32)."""
+        (int64, ascending in each row) and the values the payload rebuilds there (float32).
+        ``padding`` (boolean, like ``block``) marks values that are not data: kept only when a chunk
+        has fewer than ``k`` others."""
         if block.dim() != 2 or block.shape[1] != self.chunk or block.dtype != torch.float32:
             raise ValueError(
                 f"encode takes a float32 [chunks, {self.chunk}] block, got {tuple(block.shape)} {block.dtype}"
             )
         chunks = block.shape[0]
-        positions = block.abs().topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        magnitude = block.abs()
+        if padding is not None:
+            magnitude.masked_fill_(padding, -1.0)
+        positions = magnitude.topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        del magnitude
         values = block.gather(1, positions)
         index_part = pack_uint(positions, self.index_bits)
         if self.bits == 32:
@@ -240,14 +258,20 @@ class SparseAllGather:
         # a chunk holding an inf or a NaN reaches every rank's average as non-finite with no check here:
         # top-k ranks a NaN above every number and keeps an inf, so its chunk's scales (or values)
         # travel non-finite and rebuild as non-finite values
-        payload, positions, kept = self.codec.encode(block)
+        padding = None
+        if any(grads[name].numel() % chunk for name, _, _ in layout):
+            padding = torch.zeros(total * chunk, dtype=torch.bool, device=device)
+            for name, row, chunks in layout:
+                padding[row * chunk + grads[name].numel() : (row + chunks) * chunk] = True
+            padding = padding.view(total, chunk)
+        payload, positions, kept = self.codec.encode(block, padding)
         # what was not sent stays: e - s at the kept positions, e elsewhere
         block.scatter_(1, positions, block.gather(1, positions) - kept)
         everything = self.comm.all_gather(payload, tag=self.tag)
-        all_positions, all_values = self.codec.decode(everything, total)
         acc = torch.zeros(total, chunk, dtype=torch.float32, device=device)
         for r in range(n):  # rank order: every rank adds the same values in the same order
-            acc.scatter_add_(1, all_positions[r], all_values[r])
+            rank_positions, rank_values = self.codec.decode(everything[r : r + 1], total)
+            acc.scatter_add_(1, rank_positions[0], rank_values[0])
         acc.div_(n)
         acc_flat = acc.view(-1)
         result: dict[str, Tensor] = {}
@@ -282,7 +306,7 @@ class SparseAllGather:
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
         """The error-feedback buffers per tensor name (rank-local)."""
-        return {"residuals": dict(self.residuals), "residuals2": {}}
+        return {"residuals": dict(self.residuals), "residuals2": {}, "codec": "topk"}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
         self.residuals = {n: r.float() for n, r in state.get("residuals", {}).items()}

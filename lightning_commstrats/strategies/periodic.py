@@ -659,6 +659,9 @@ class PeriodicSyncStrategy(CommStrategy):
         self._block_start = [int(b) for b in state["block_start"]]
         for f in range(self.num_fragments):
             self.load_flat(outer.start_point(f), f)
+        if self._inflight is not None and self._inflight.launched is not None:
+            # the local weights restart here: the steps kept when the exchange lands are those from now
+            self._inflight.launched = outer.start_point(self._inflight.fragment).clone()
         if self._exchange is not None:
             self._exchange.reset()
         self.samples_per_worker = self._samples_at_step = int(state["samples_per_worker"])
@@ -806,6 +809,7 @@ class PeriodicSyncStrategy(CommStrategy):
         fragment, started_at, _ = sync
         pending.fragment, pending.started_at, pending.apply_at = fragment, started_at, 0
         pending.grad = torch.zeros_like(self.flat_weights(fragment))
+        pending.launched = None  # the weights this replica launched were another fragment's
         return pending.grad
 
     def _reconcile(self, quorum: Quorum, received: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -991,7 +995,7 @@ class PeriodicSyncStrategy(CommStrategy):
             self._inflight = _Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
             self._inflight.nonfinite = saved.get("nonfinite")
             launched = rank_state.get("launched")
-            if launched is not None:
+            if launched is not None and self.keep_local_progress:
                 self._inflight.launched = launched.to(self.root_device, torch.float32)
         if rank_state["weights"] is not None:
             self.load_flat(rank_state["weights"].to(self.root_device))

@@ -124,8 +124,9 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         kwargs = {
             k: v for k, v in kwargs.items() if k not in ("outer_optimizer", "outer_momentum", "outer_optimizer_kwargs")
         }
-        if fragment_sync_delay is None:
-            fragment_sync_delay = default_delay(sync_period, num_fragments, most=1)
+        if fragment_sync_delay is None:  # a delay counts steps: none for a schedule in samples
+            in_steps = sync_period_unit == "steps"
+            fragment_sync_delay = default_delay(sync_period, num_fragments, most=1) if in_steps else 0
         super().__init__(
             sync_period=sync_period,
             sync_period_unit=sync_period_unit,

@@ -183,3 +183,27 @@ def test_sparseloco_preset_is_outer_sgd_without_momentum_over_the_topk_exchange(
     outer = s.outer_factory()([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(outer, torch.optim.SGD)
     assert outer.param_groups[0]["lr"] == 1.0 and outer.param_groups[0]["momentum"] == 0.0
+
+
+def test_saved_residuals_name_their_codec_and_another_codec_refuses_them():
+    sparse = TensorExchange(LocalCommunicator(), 2, codec="topk", topk_chunk=64, topk_per_chunk=4)
+    sparse.quantized({"w": torch.randn(8, 8)})
+    state = sparse.state_dict()
+    assert state["codec"] == "topk"
+    sparse.check_state(state, {"w": torch.Size([8, 8])})
+    dense = TensorExchange(LocalCommunicator(), 4)
+    with pytest.raises(ValueError, match="its residuals are sparse"):
+        dense.check_state(state, {"w": torch.Size([8, 8])})
+    with pytest.raises(ValueError, match="its residuals are dense"):
+        sparse.check_state({"residuals": {"w": torch.zeros(8, 8)}, "residuals2": {}}, {"w": torch.Size([8, 8])})
+
+
+def test_padding_is_kept_only_when_a_chunk_has_fewer_values_than_k():
+    codec = TopKCodec(8, 4, 32)
+    block = torch.tensor([[0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    padding = torch.tensor([[False] * 5 + [True] * 3])
+    _, positions, _ = codec.encode(block, padding)
+    kept = positions.tolist()[0]
+    assert 2 in kept and max(kept) < 5  # the real zeros rank above the padding (any 3 of them: ties)
+    _, positions, _ = codec.encode(block, torch.tensor([[False] * 2 + [True] * 6]))
+    assert sorted(positions.tolist()[0])[:2] == [0, 1]  # two values only: the rest is padding
