@@ -233,8 +233,54 @@ def entries() -> list[Entry]:
         *(
             Entry(
                 f"sparseloco_h{period}",
-                f"sparseloco (top 64/4096, 2-bit, H {period}, overlapped 1 step)",
-                {"class_path": "lightning_commstrats.SparseLoCoStrategy", "init_args": {"sync_period": period}},
+                f"sparseloco (top 64/4096, 2-bit, H {period}, outer lr 4 (tuned), overlapped 1 step)",
+                {
+                    "class_path": "lightning_commstrats.SparseLoCoStrategy",
+                    "init_args": {"sync_period": period, "outer_lr": 4.0},
+                },
+                "ours",
+            )
+            for period in (16, 32)
+        ),
+        Entry(
+            "sparseloco_h16_k256",
+            "sparseloco (top 256/4096, 2-bit, H 16, outer lr 2 (tuned), overlapped 1 step)",
+            {
+                "class_path": "lightning_commstrats.SparseLoCoStrategy",
+                "init_args": {"sync_period": 16, "topk_per_chunk": 256, "outer_lr": 2.0},
+            },
+            "ours",
+        ),
+        Entry(
+            "streaming_diloco_h16_4bit_overlap3",
+            "streaming diloco (H 16, 4 fragments, 4-bit, overlapped 3 steps, local progress kept)",
+            {
+                "class_path": "lightning_commstrats.StreamingDiLoCoStrategy",
+                "init_args": {
+                    "sync_period": 16,
+                    "num_fragments": 4,
+                    "fragment_sync_delay": 3,
+                    "keep_local_progress": True,
+                    "pseudo_grad_bits": 4,
+                },
+            },
+            "ours",
+            {"scheme": "ring", "period": 16, "scale": 4 / 32},
+        ),
+        *(
+            Entry(
+                f"diloco_topk_h{period}",
+                f"diloco + top-k pseudo-gradients (64/4096, 2-bit, Nesterov outer, H {period}, overlapped 1 step)",
+                {
+                    "class_path": "lightning_commstrats.DiLoCoStrategy",
+                    "init_args": {
+                        "sync_period": period,
+                        "pseudo_grad_codec": "topk",
+                        "pseudo_grad_bits": 2,
+                        "fragment_sync_delay": 1,
+                        "keep_local_progress": True,
+                    },
+                },
                 "ours",
             )
             for period in (16, 32)
