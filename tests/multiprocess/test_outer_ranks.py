@@ -191,8 +191,13 @@ def test_resume_mid_block_and_mid_fragment_reproduces_the_uninterrupted_run():
     diloco = {"sync_period": 5, "pseudo_grad_bits": 4, "small_tensor_numel": 0}
     stream = {"sync_period": 8, "num_fragments": 2, "fragment_sync_delay": 2, "pseudo_grad_bits": 4}
     stream["small_tensor_numel"] = 0
+    # sparse, streamed, the local progress kept: the checkpoint holds the error feedback and the
+    # weights the exchange in flight left from
+    sparse = {"sync_period": 8, "num_fragments": 2, "fragment_sync_delay": 2, "topk_chunk": 64, "topk_per_chunk": 8}
+    sparse["small_tensor_numel"] = 0
     scenarios = {}
-    for name, strategy, kw in (("diloco", "diloco", diloco), ("stream", "streaming_diloco", stream)):
+    cases = (("diloco", "diloco", diloco), ("stream", "streaming_diloco", stream), ("sparse", "sparseloco", sparse))
+    for name, strategy, kw in cases:
         scenarios[f"{name}_straight"] = {"strategy": strategy, "kwargs": kw, "max_steps": 48, "ckpt_every": 32}
         scenarios[f"{name}_resumed"] = {
             "strategy": strategy,
@@ -202,7 +207,7 @@ def test_resume_mid_block_and_mid_fragment_reproduces_the_uninterrupted_run():
         }
     results = run_ranks({"scenarios": scenarios}, 2)
     for res in results:
-        for name in ("diloco", "stream"):
+        for name in ("diloco", "stream", "sparse"):
             _close(res[f"{name}_resumed"]["params"], res[f"{name}_straight"]["params"], 1e-6)
 
 
