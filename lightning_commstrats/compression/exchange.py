@@ -163,16 +163,13 @@ class TensorExchange:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
         check_codec(codec, bits)
         check_sparse_args(
+            codec,
             topk_chunk,
             topk_per_chunk,
-            bits if codec == "topk" else 32,
+            bits,
             error_feedback_decay,
-            names=("topk_chunk", "topk_per_chunk", "bits", "error_feedback_decay"),
+            names=("codec", "topk_chunk", "topk_per_chunk", "bits", "error_feedback_decay"),
         )
-        if codec != "topk" and error_feedback_decay != 1.0:
-            raise ValueError(
-                f"error_feedback_decay={error_feedback_decay!r} applies to codec='topk' only (got codec={codec!r})"
-            )
         if scales not in SCALES:
             raise ValueError(f"scales={scales!r} is not supported; choose one of {SCALES}")
         self.by_rows = scales == "rows"

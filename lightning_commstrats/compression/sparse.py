@@ -90,19 +90,27 @@ def unpack_uint(packed: Tensor, width: int, count: int) -> Tensor:
     return out
 
 
-def check_sparse_args(chunk: int, k: int, bits: int, decay: float, *, names: tuple[str, str, str, str]) -> None:
-    """Construction-time checks; ``names`` are the caller's argument names for chunk, k, bits, decay."""
-    c, kk, b, d = names
+def check_sparse_args(
+    codec: str, chunk: int, k: int, bits: int, decay: float, *, names: tuple[str, str, str, str, str]
+) -> None:
+    """Construction-time checks of the top-k settings (the bits only with ``codec="topk"``; a decay
+    other than 1 only with it); ``names`` are the caller's argument names for codec, chunk, k, bits, decay."""
+    cn, c, kk, b, d = names
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
         raise ValueError(f"{c} must be an int >= 2, got {chunk!r}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= chunk:
         raise ValueError(f"{kk} must be an int in [1, {c}={chunk}], got {k!r}")
-    if isinstance(bits, bool) or bits not in SPARSE_VALUE_BITS:
+    if codec == "topk" and (isinstance(bits, bool) or bits not in SPARSE_VALUE_BITS):
         raise ValueError(
             f"{b}={bits!r} is not supported with sparse pseudo-gradients; choose one of {SPARSE_VALUE_BITS}"
         )
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
         raise ValueError(f"{d} must be a number in (0, 1], got {decay!r}")
+    if codec != "topk" and decay != 1.0:
+        raise ValueError(
+            f"{d}={decay!r} applies to {cn}='topk' only (got {cn}={codec!r}): the other codecs carry their"
+            " residuals undecayed"
+        )
 
 
 class TopKCodec:
@@ -116,7 +124,7 @@ class TopKCodec:
     """
 
     def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
-        check_sparse_args(chunk, k, bits, 1.0, names=("chunk", "k", "bits", "decay"))
+        check_sparse_args("topk", chunk, k, bits, 1.0, names=("codec", "chunk", "k", "bits", "decay"))
         self.chunk, self.k, self.bits = chunk, k, bits
         self.index_bits = index_bits(chunk)
 

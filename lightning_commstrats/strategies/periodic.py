@@ -217,17 +217,13 @@ class PeriodicSyncStrategy(CommStrategy):
             raise ValueError(f"pseudo_grad_scales={pseudo_grad_scales!r} is not supported; choose one of {SCALES}")
         check_codec(pseudo_grad_codec, pseudo_grad_bits, name="pseudo_grad_codec", bits_name="pseudo_grad_bits")
         check_sparse_args(
+            pseudo_grad_codec,
             topk_chunk,
             topk_per_chunk,
-            pseudo_grad_bits if pseudo_grad_codec == "topk" else 32,
+            pseudo_grad_bits,
             error_feedback_decay,
-            names=("topk_chunk", "topk_per_chunk", "pseudo_grad_bits", "error_feedback_decay"),
+            names=("pseudo_grad_codec", "topk_chunk", "topk_per_chunk", "pseudo_grad_bits", "error_feedback_decay"),
         )
-        if pseudo_grad_codec != "topk" and error_feedback_decay != 1.0:
-            raise ValueError(
-                f"error_feedback_decay={error_feedback_decay!r} applies to pseudo_grad_codec='topk' only"
-                f" (got pseudo_grad_codec={pseudo_grad_codec!r}): the other codecs carry their residuals undecayed"
-            )
         if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
             raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
         if num_fragments > 1 and sync_period_unit != "steps":
