@@ -54,18 +54,8 @@ def expected(alpha: float, steps: int = 12, keep: bool = False) -> tuple[list[fl
     return trace, final
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.75, 1.0])
-def test_the_local_fragment_mixes_with_the_global_one(alpha):
-    model = UnitSteps()
-    strategy = StreamingDiLoCoStrategy(
-        sync_period=4,
-        num_fragments=1,
-        fragment_sync_delay=1,
-        fragment_update_alpha=alpha,
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        pseudo_grad_bits=32,
-    )
+def fit(model: UnitSteps, strategy: StreamingDiLoCoStrategy) -> None:
+    """12 steps on one CPU rank, nothing but training."""
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -78,6 +68,21 @@ def test_the_local_fragment_mixes_with_the_global_one(alpha):
         enable_model_summary=False,
     )
     trainer.fit(model)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.75, 1.0])
+def test_the_local_fragment_mixes_with_the_global_one(alpha):
+    model = UnitSteps()
+    strategy = StreamingDiLoCoStrategy(
+        sync_period=4,
+        num_fragments=1,
+        fragment_sync_delay=1,
+        fragment_update_alpha=alpha,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        pseudo_grad_bits=32,
+    )
+    fit(model, strategy)
     trace, final = expected(alpha)
     assert model.trace == trace
     assert model.layer.weight.item() == final
@@ -97,18 +102,7 @@ def test_keep_local_progress_keeps_the_steps_taken_while_the_exchange_was_in_fli
         outer_momentum=0.0,
         pseudo_grad_bits=32,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=12,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model)
+    fit(model, strategy)
     trace, final = expected(0.0, keep=keep)
     assert model.trace == trace
     assert model.layer.weight.item() == final
