@@ -230,26 +230,27 @@ def entries() -> list[Entry]:
             )
             for bits in (4, 32)
         ),
+        # (key suffix, H, k per 4096, outer lr): the lr tuned on 2 ranks for 64 and 256; the SIGTERM
+        # agreement's round every 8 steps (its headers are about 1.5 KB per round and rank)
         *(
             Entry(
-                f"sparseloco_h{period}",
-                f"sparseloco (top 64/4096, 2-bit, H {period}, outer lr 4 (tuned), overlapped 1 step)",
+                f"sparseloco_h{period}{suffix}",
+                f"sparseloco (top {k}/4096, 2-bit, H {period}, outer lr {lr:g}{' (tuned)' if tuned else ''},"
+                " overlapped 1 step, stop round every 8 steps)",
                 {
                     "class_path": "lightning_commstrats.SparseLoCoStrategy",
-                    "init_args": {"sync_period": period, "outer_lr": 4.0},
+                    "init_args": {"sync_period": period, "topk_per_chunk": k, "outer_lr": lr, "stop_check_every": 8},
                 },
                 "ours",
             )
-            for period in (16, 32)
-        ),
-        Entry(
-            "sparseloco_h16_k256",
-            "sparseloco (top 256/4096, 2-bit, H 16, outer lr 2 (tuned), overlapped 1 step)",
-            {
-                "class_path": "lightning_commstrats.SparseLoCoStrategy",
-                "init_args": {"sync_period": 16, "topk_per_chunk": 256, "outer_lr": 2.0},
-            },
-            "ours",
+            for suffix, period, k, lr, tuned in (
+                ("", 16, 64, 4.0, True),
+                ("", 32, 64, 4.0, True),
+                ("_k256", 16, 256, 2.0, True),
+                ("_k96", 16, 96, 3.0, False),
+                ("_k192", 32, 192, 2.0, False),
+                ("_k192_lr4", 32, 192, 4.0, False),
+            )
         ),
         Entry(
             "streaming_diloco_h16_4bit_overlap3",

@@ -39,6 +39,8 @@ CASES = [
     (AllReduceStrategy, {"resume_mismatch": "ignore"}, ValueError, "resume_mismatch='ignore' is not supported"),
     (AllReduceStrategy, {"nonfinite": "zero"}, ValueError, r"nonfinite='zero' is not supported; choose one of \('raise', 'skip'\)"),
     (AllReduceStrategy, {"verify_sync_every": -1}, ValueError, "verify_sync_every must be an int >= 0"),
+    (AllReduceStrategy, {"stop_check_every": 0}, ValueError, "stop_check_every must be an int >= 1"),
+    (DiLoCoStrategy, {"stop_check_every": 2.5}, ValueError, "stop_check_every must be an int >= 1"),
     (ModelAveragingStrategy, {"verify_sync_action": "log"}, ValueError, "verify_sync_action='log' is not supported"),
     # an unknown keyword is reported against the class the user called
     (DiLoCoStrategy, {"sync_every": 4}, TypeError, r"DiLoCoStrategy got unexpected keyword argument\(s\) \['sync_every'\]"),

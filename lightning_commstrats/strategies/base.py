@@ -131,6 +131,11 @@ class CommStrategy(RankDevices, ParallelStrategy):
             float64 moments per tensor, one small all-gather. 0 (default) never checks.
         verify_sync_action: ``"raise"`` (default: ``RuntimeError`` naming the tensors and ranks, on
             every rank at once) or ``"warn"`` when the replicas disagree.
+        stop_check_every: batches between two rounds of the ranks' agreement on a SIGTERM
+            (:class:`~lightning_commstrats.strategies.stop.StopAgreement`): default 1, a 4-byte
+            all-reduce per batch that overlaps the batch; ``k`` sends one per ``k`` batches (on a
+            slow link its headers can outweigh a sparse scheme's payload) and every rank stops
+            within ``2 * k`` batches of the signal instead of 2.
         process_group_backend: another name of ``backend``, as Lightning's ``DDPStrategy`` calls it.
         group_size: ranks per group of fast links (a node, a supernode; consecutive ranks), or
             ``"node"`` (the devices per node); then every fp32 gradient all-reduce of the scheme goes
@@ -156,6 +161,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         nonfinite: str = "raise",
         verify_sync_every: int = 0,
         verify_sync_action: str = "raise",
+        stop_check_every: int = 1,
         process_group_backend: str | None = None,
         group_size: int | str | None = None,
         slow_hop_bits: int = 32,
@@ -235,7 +241,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self._num_nodes = 1
         self._comm: Communicator | None = None
         self._host_comm: Communicator | None = None
-        self.stop_agreement = StopAgreement()  # SIGTERM: every rank stops at the same batch
+        self.stop_agreement = StopAgreement(every=stop_check_every)  # SIGTERM: every rank stops at the same batch
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

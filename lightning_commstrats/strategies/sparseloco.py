@@ -22,7 +22,8 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     2. per chunk of ``topk_chunk`` values (4096), the ``topk_per_chunk`` (64) of largest magnitude in
        ``e_r`` are kept, each quantized to ``pseudo_grad_bits`` (2: its sign, and whether its
        magnitude is in the upper half of the chunk's kept range, rebuilt at that half's centre;
-       two float32 scales per chunk) and sent with its position (12 bits in a chunk of 4096);
+       two float32 scales per chunk) and sent with its position (Elias-Fano coded: 8 bits for 64 in
+       a chunk of 4096);
        ``e_r`` loses what was sent: ``e_r -= s_r``;
     3. every rank's payload is all-gathered; each rank rebuilds and sums them in rank order, the
        same everywhere: ``G = mean_r s_r``;
@@ -39,23 +40,27 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     Tensors of at most ``small_tensor_numel`` values (1024: biases, norms) are averaged densely in
     fp32; a longer 1-D tensor (an output layer's bias over the vocabulary) goes sparse like a matrix.
 
-    Bytes: one payload per rank and sync is ``C * (8 + k * (ceil(log2 chunk) + bits) / 8)`` bytes
-    for ``C`` chunks; a ring all-gather makes each rank send ``N - 1`` of them. At the defaults that
-    is ``(N - 1) * 0.0156 * 15 / 8`` bytes per synced value, against ``2 (N - 1) / N * 4`` for an fp32
-    all-reduce: at ``N = 4`` and ``H = 32``, about 2,200 times fewer bytes per step than fp32 DDP
-    (the dense small tensors add a little). The all-gather grows with ``N``; the payload does not.
+    Bytes: one payload per rank and sync is ``C * (8 + (k * (l + bits) + k + (chunk >> l)) / 8)``
+    bytes for ``C`` chunks, ``l = floor(log2(chunk / k))`` (8 bytes of scales, the Elias-Fano
+    positions, the codes; 88 bytes per chunk at the defaults); a ring all-gather makes each rank
+    send ``N - 1`` of them. At the defaults that is ``(N - 1) * 88 / 4096`` bytes per synced value,
+    against ``2 (N - 1) / N * 4`` for an fp32 all-reduce: at ``N = 4`` and ``H = 32``, about 3,000
+    times fewer bytes per step than fp32 DDP (the dense small tensors add a little). The all-gather
+    grows with ``N``; the payload does not.
 
     Hyperparameters:
 
     - ``topk_per_chunk / topk_chunk`` (density, 1.6%): the paper found 1-3% best; denser sends more
-      and tracks DiLoCo; sparser leaves more in ``e`` and reacts late. Keep ``topk_chunk`` a power of
-      two (positions fill their bits) and large enough that a chunk spans several rows.
+      and tracks DiLoCo; sparser leaves more in ``e`` and reacts late. Keep ``topk_chunk /
+      topk_per_chunk`` a power of two (the positions' low bits fill their range) and ``topk_chunk``
+      large enough that a chunk spans several rows.
     - ``error_feedback_decay`` (``beta``, 0.95): 1 keeps every unsent value until it is sent (plain
       error feedback), lower values forget stale directions; the paper tuned 0.95 for ``H`` in the
       tens, together with ``outer_lr``.
     - ``outer_lr`` (1.0): the paper's plain average; lower it if the loss jumps at syncs.
     - ``pseudo_grad_bits`` (2): 4 or 8 rebuild the kept values more finely for 2x or 4x the value
-      bytes (positions dominate the payload at 2 bits); 32 sends them as float32.
+      bytes (positions are most of the payload at 2 bits: 4 bits cost 18% more bytes); 32 sends
+      them as float32.
     - ``sync_period`` (``H``, default 30 as Covenant-72B): as for DiLoCo; sparse payloads are so
       small that ``H`` can be chosen for quality, not for bandwidth.
     - ``fragment_sync_delay`` (1) and ``keep_local_progress`` (True): how many inner steps the
@@ -68,7 +73,7 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     Reference: A. Sarfi, B. Thérien, J. Lidin, E. Belilovsky, "Communication Efficient LLM
     Pre-training with SparseLoCo", 2025. The paper quantizes the kept values on a statistical
     (``mean +- k std``) grid and sends positions as integers; the sign-and-magnitude code and the
-    12-bit packed positions here are this package's.
+    Elias-Fano positions here are this package's.
 
     Args:
         sync_period: inner steps between syncs (default 30).

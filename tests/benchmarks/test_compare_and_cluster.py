@@ -62,6 +62,7 @@ def test_race_ends_at_an_easy_target(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 26 s; the quick suite runs the race to an easy target
 def test_race_ends_at_the_budget_when_the_target_is_out_of_reach(tmp_path):
     # the torch-hook DiLoCo peer and this package's onebit_sgd: the stop decision is broadcast
     # through torch.distributed in one and through the package's communicator in the other

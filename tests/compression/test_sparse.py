@@ -18,17 +18,25 @@ def reference_encode(block: np.ndarray, k: int, bits: int) -> tuple[bytes, np.nd
     """The wire format, chunk by chunk, with Python integers and numpy float32 scalars: the kept
     positions are the k largest magnitudes (ascending), the scales the least and largest kept
     magnitude, each value its sign bit and its magnitude's bin; returns the payload and, per chunk,
-    the float32 values the payload rebuilds at the kept positions (a dense [chunks, chunk] array)."""
+    the float32 values the payload rebuilds at the kept positions (a dense [chunks, chunk] array).
+    Positions in Elias-Fano: ``low`` = the largest l with k * 2^l <= chunk; every position's low
+    bits, then per chunk a vector with bit (p_i >> l) + i set for its i-th position."""
     chunks, chunk = block.shape
-    width = math.ceil(math.log2(chunk))
+    low = 0
+    while k * 2 ** (low + 1) <= chunk:
+        low += 1
+    upper_len = k + (chunk - 1) // 2**low + 1
     rebuilt = np.zeros_like(block)
-    los, his, position_bits, code_bits, float_bits = [], [], "", "", b""
+    los, his, low_bits, upper_bits, code_bits, float_bits = [], [], "", "", "", b""
     for c in range(chunks):
         row = block[c]
         order = sorted(range(chunk), key=lambda i: -abs(float(row[i])))
         kept = sorted(order[:k])
-        for i in kept:
-            position_bits += format(i, f"0{width}b")
+        vector = ["0"] * upper_len
+        for rank, i in enumerate(kept):
+            low_bits += format(i % 2**low, f"0{low}b") if low else ""
+            vector[i // 2**low + rank] = "1"
+        upper_bits += "".join(vector)
         values = [row[i] for i in kept]
         if bits == 32:
             for i, v in zip(kept, values, strict=True):
@@ -52,10 +60,11 @@ def reference_encode(block: np.ndarray, k: int, bits: int) -> tuple[bytes, np.nd
         bitstring += "0" * (-len(bitstring) % 8)
         return bytes(int(bitstring[i : i + 8], 2) for i in range(0, len(bitstring), 8))
 
+    position_bytes = to_bytes(low_bits) + to_bytes(upper_bits)
     if bits == 32:
-        return to_bytes(position_bits) + float_bits, rebuilt
+        return position_bytes + float_bits, rebuilt
     scales = b"".join(struct.pack("<f", float(x)) for x in los) + b"".join(struct.pack("<f", float(x)) for x in his)
-    return scales + to_bytes(position_bits) + to_bytes(code_bits), rebuilt
+    return scales + position_bytes + to_bytes(code_bits), rebuilt
 
 
 def dense(positions: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -63,7 +72,9 @@ def dense(positions: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Te
     return out.scatter_(1, positions, values)
 
 
-@pytest.mark.parametrize(("chunk", "k", "bits"), [(4096, 64, 2), (64, 8, 2), (100, 7, 4), (32, 5, 8), (64, 6, 32)])
+@pytest.mark.parametrize(
+    ("chunk", "k", "bits"), [(4096, 64, 2), (64, 8, 2), (100, 7, 4), (32, 5, 8), (64, 6, 32), (16, 16, 2), (64, 1, 4)]
+)
 def test_payload_and_values_match_the_wire_format_bit_for_bit(chunk, k, bits):
     g = torch.Generator().manual_seed(chunk + k + bits)
     block = torch.randn(3, chunk, generator=g) * torch.tensor([[1.0], [1e-3], [40.0]])
@@ -81,10 +92,24 @@ def test_payload_and_values_match_the_wire_format_bit_for_bit(chunk, k, bits):
 
 
 def test_payload_size_by_hand():
-    # 4096/64 at 2 bits: 8 bytes of scales, 64 positions of 12 bits (96 bytes), 64 codes of 2 bits (16 bytes)
-    assert TopKCodec(4096, 64, 2).payload_bytes(10) == 10 * (8 + 96 + 16)
-    # float32 values: no scales; 5 positions of 5 bits = 25 bits (4 bytes for two chunks: 50 bits -> 7 bytes)
-    assert TopKCodec(32, 5, 32).payload_bytes(2) == 7 + 2 * 5 * 4
+    # 4096/64 at 2 bits: 8 bytes of scales; positions: 6 low bits each (48 bytes) and a vector of
+    # 64 + 64 bits (16 bytes); 64 codes of 2 bits (16 bytes)
+    assert TopKCodec(4096, 64, 2).payload_bytes(10) == 10 * (8 + 48 + 16 + 16)
+    # float32 values, 5 of 32: no scales; 2 low bits (32 / 5 = 6.4) per position, 20 bits for two
+    # chunks (3 bytes); vectors of 5 + 8 bits, 26 bits (4 bytes); 10 floats
+    assert TopKCodec(32, 5, 32).payload_bytes(2) == 3 + 4 + 2 * 5 * 4
+    # every value kept: no low bits, a vector of 2 * chunk bits, i.e. 2 bits per position
+    assert TopKCodec(4096, 4096, 2).payload_bytes(1) == 8 + 1024 + 1024
+
+
+def test_a_payload_with_the_wrong_number_of_positions_is_refused():
+    codec = TopKCodec(64, 8, 2)
+    payload, _, _ = codec.encode(torch.randn(2, 64, generator=torch.Generator().manual_seed(0)))
+    low, _ = codec.positions_bytes(2)
+    broken = payload.clone()
+    broken[16 + low] ^= 0x01  # one bit of the first chunk's vector flipped: 7 or 9 positions
+    with pytest.raises(ValueError, match="do not hold 8 per chunk"):
+        codec.decode(broken.unsqueeze(0), 2)
 
 
 def test_zero_chunks_and_equal_magnitudes_rebuild_exactly():

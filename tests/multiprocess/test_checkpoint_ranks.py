@@ -11,6 +11,7 @@ pytestmark = pytest.mark.multiprocess
 MIB = 2**20
 
 
+@pytest.mark.slow  # 19 s; the reshard tests save and load sharded checkpoints in the quick suite
 def test_a_save_holds_one_ranks_state_whatever_the_number_of_ranks():
     # model averaging keeps every rank's local weights and momentum: 32 MiB a rank here
     sc = {"model": "wide", "strategy": "model_averaging", "kwargs": {"sync_period": 2, "sync_period_unit": "steps"}}
@@ -79,7 +80,7 @@ def _reshard(tmp_path, strategy, kwargs, before, after):
     return saved, run_ranks({"scenarios": {"resumed": resumed}}, after), path
 
 
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
+@pytest.mark.parametrize(("before", "after"), [(4, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_reshard_keeps_the_global_model_and_the_schedule_on_another_number_of_ranks(tmp_path, before, after):
     kwargs = {"sync_period": 4, "pseudo_grad_bits": 4, "small_tensor_numel": 0}
     saved, results, _ = _reshard(tmp_path, "diloco", kwargs, before, after)
@@ -99,6 +100,7 @@ def test_reshard_keeps_the_global_model_and_the_schedule_on_another_number_of_ra
             assert torch.equal(value, results[0]["resumed"]["params"][key]), key
 
 
+@pytest.mark.slow  # 25 s
 def test_reshard_restarts_the_residuals_of_a_gradient_scheme(tmp_path):
     _, results, path = _reshard(tmp_path, "onebit_sgd", {"small_tensor_numel": 64}, 2, 4)
     for res in results:

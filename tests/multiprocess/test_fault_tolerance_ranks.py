@@ -135,6 +135,7 @@ def test_fabric_replicas_survive_a_death_and_a_restart():
     assert c["syncs"][0]["optimizer_steps"] > 12
 
 
+@pytest.mark.slow  # 36 s; one-rank replicas die, heal and rejoin in the quick suite
 def test_a_replica_of_two_ranks_follows_its_rank_0_and_heals_as_one():
     # b is a Lightning job of two ranks (its own process group: gradients averaged every step inside
     # it); its rank 0 speaks for it across replicas. With min_replicas=1, a goes on alone while b is away.

@@ -60,7 +60,7 @@ def _kill_one(world: int, victim: int, strategy: str = "allreduce", **kwargs) ->
         shutil.rmtree(out, ignore_errors=True)
 
 
-@pytest.mark.parametrize(("world", "victim"), [(2, 1), (4, 2)])
+@pytest.mark.parametrize(("world", "victim"), [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_the_others_stop_within_seconds_naming_the_killed_rank(world, victim):
     elapsed, codes, logs = _kill_one(world, victim)
     assert None not in codes, f"survivors still running {elapsed:.0f} s after the kill"
@@ -72,7 +72,9 @@ def test_the_others_stop_within_seconds_naming_the_killed_rank(world, victim):
     print(f"{world} ranks, rank {victim} killed: the others exited in {elapsed:.1f} s")
 
 
-@pytest.mark.parametrize(("victim", "mode"), [(1, "sync"), (0, "sync"), (1, "async")])
+@pytest.mark.parametrize(
+    ("victim", "mode"), [(1, "sync"), (0, "sync"), pytest.param(1, "async", marks=pytest.mark.slow)]
+)
 def test_a_parameter_server_run_stops_when_a_worker_or_the_server_dies(victim, mode):
     """Killed worker: the server (rank 0) waits for a round that cannot complete, and its watch of
     the heartbeats names the dead rank. Killed server: the workers' calls fail at once."""

@@ -175,6 +175,15 @@ def test_sigterm_inside_a_step_stops_every_rank_at_the_same_step(case):
     print(f"{case}: every rank stopped at step {step}, {took:.1f} s after the signal, exited after {gone:.1f} s")
 
 
+def test_stop_check_every_runs_a_round_every_k_batches():
+    """``stop_check_every=4``: rounds start at batches 1, 5, 9... and are read 4 batches later. The
+    signal at batch 6 rides the round of batch 9, read at batch 13: every rank stops there, after
+    12 steps (with a round per batch: after 6)."""
+    spec = {"strategy": "allreduce", "kwargs": {"stop_check_every": 4}}
+    outcome = trial({**spec, "signal": {"rank": 1, "target": 1, "where": "batch", "nth": 6}, "max_steps": 400})
+    assert check_stopped_together(outcome, 400) == 12
+
+
 def test_sigterm_checkpoints_the_run_on_every_rank():
     """On SIGTERM every rank is at the same point: a checkpoint saved in ``on_exception`` completes."""
     spec = {"strategy": "model_averaging", "kwargs": {"sync_period": 4, "sync_period_unit": "steps"}}

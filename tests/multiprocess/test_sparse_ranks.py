@@ -123,11 +123,12 @@ def test_sparseloco_averages_bytes_and_outer_step_on_three_ranks():
     assert torch.equal(after, before - _flat(exchanges[0]["avg"]))
 
     # bytes by hand, per sync: layer.0.weight [16, 32] is 8 chunks of 64, layer.2.weight [2, 16] one
-    # padded chunk; a chunk's payload is 8 bytes of scales, 8 positions of 6 bits (6 bytes) and 8
-    # codes of 2 bits (2 bytes); a ring all-gather sends the two other ranks' payloads: 2 x 144.
+    # padded chunk; a chunk's payload is 8 bytes of scales, 8 positions in Elias-Fano (3 low bits
+    # each, as 64 / 8 = 2^3: 3 bytes; a vector of 8 + 8 bits: 2 bytes) and 8 codes of 2 bits (2
+    # bytes); a ring all-gather sends the two other ranks' payloads: 2 x 135.
     # The 18 bias values go in an fp32 ring all-reduce: 2 (N-1) ceil(18/3) x 4 bytes.
     for res in results:
         stats = res["sparse"]["stats"]
-        assert stats["weights_sparse/bytes_sent"] == 2 * (world - 1) * 9 * (8 + 6 + 2)
+        assert stats["weights_sparse/bytes_sent"] == 2 * (world - 1) * 9 * (8 + 3 + 2 + 2)
         assert stats["weights/bytes_sent"] == 2 * 2 * (world - 1) * math.ceil(18 / world) * 4
         assert stats.get("grad/bytes_sent", 0) == 0

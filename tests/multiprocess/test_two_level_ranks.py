@@ -32,6 +32,7 @@ def test_fp32_two_levels_equal_the_flat_average_and_charge_each_level():
     assert 2 * ring_bytes(-(-4097 // 2), 4, 2) < ring_bytes(4097, 4, 4)
 
 
+@pytest.mark.slow  # 22 s; the strategies' two-level test below quantizes the slow hop too
 def test_a_quantized_slow_hop_sends_less_and_its_error_does_not_accumulate():
     steps = 6
     fp32 = run_ranks({"group_size": 2, "sizes": [4096], "steps": 1}, 4, script=WORKER)
