@@ -208,8 +208,11 @@ class TensorExchange:
         exchange with a non-finite result keeps its old residuals: they never take a non-finite
         value. What to do about it (raise, skip the step) is the caller's policy.
         """
-        if self.comm.world_size == 1 or not named:
+        if not named:
             return []
+        if self.comm.world_size == 1:  # the average is the tensor itself: only its finiteness to tell
+            finite = torch.stack([torch.isfinite(t).all() for t in named.values()]).tolist()
+            return [n for n, ok in zip(named, finite, strict=True) if not ok]
         large = {n: t for n, t in named.items() if quantize and self.quantizes(t)}
         small = {n: t for n, t in named.items() if n not in large}
         flags: list[Tensor] = []

@@ -232,3 +232,16 @@ def test_padding_is_kept_only_when_a_chunk_has_fewer_values_than_k():
     assert 2 in kept and max(kept) < 5  # the real zeros rank above the padding (any 3 of them: ties)
     _, positions, _ = codec.encode(block, torch.tensor([[False] * 2 + [True] * 6]))
     assert sorted(positions.tolist()[0])[:2] == [0, 1]  # two values only: the rest is padding
+
+
+@pytest.mark.parametrize("codec", ["uniform", "topk"])
+def test_one_rank_reports_a_non_finite_pseudo_gradient_as_many_ranks_do(codec):
+    """On one rank the average is the tensor itself, unchanged; an inf or a NaN in it is still
+    reported by name, so that ``nonfinite="raise"`` or ``"skip"`` acts on one rank as on several."""
+    ex = TensorExchange(LocalCommunicator(), 4, codec=codec, small_tensor_numel=16, topk_chunk=64, topk_per_chunk=4)
+    good, bad = torch.randn(8, 64), torch.randn(3)
+    bad[1] = float("nan")
+    kept = good.clone()
+    assert ex.average({"w": good, "b": bad}) == ["b"]
+    assert torch.equal(good, kept)
+    assert ex.average({"w": good}) == []
