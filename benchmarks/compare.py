@@ -231,7 +231,7 @@ def entries() -> list[Entry]:
             for bits in (4, 32)
         ),
         # (key suffix, H, k per 4096, outer lr): the lr tuned on 2 ranks for 64 and 256; the SIGTERM
-        # agreement's round every 8 steps (its headers are about 1.5 KB per round and rank)
+        # agreement's round every 8 steps (its packets are mostly headers, beside a payload of a few KB per step)
         *(
             Entry(
                 f"sparseloco_h{period}{suffix}",

@@ -133,8 +133,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
             every rank at once) or ``"warn"`` when the replicas disagree.
         stop_check_every: batches between two rounds of the ranks' agreement on a SIGTERM
             (:class:`~lightning_commstrats.strategies.stop.StopAgreement`): default 1, a 4-byte
-            all-reduce per batch that overlaps the batch; ``k`` sends one per ``k`` batches (on a
-            slow link its headers can outweigh a sparse scheme's payload) and every rank stops
+            all-reduce per batch that overlaps the batch; ``k`` sends one per ``k`` batches (its
+            packets are mostly headers: worth it beside a sparse scheme's few KB per step) and every rank stops
             within ``2 * k`` batches of the signal instead of 2.
         process_group_backend: another name of ``backend``, as Lightning's ``DDPStrategy`` calls it.
         group_size: ranks per group of fast links (a node, a supernode; consecutive ranks), or

@@ -29,9 +29,9 @@ doing when the signal comes (a periodic sync, a validation).
 
 ``every`` (the strategies' ``stop_check_every``) runs a round at every ``every``-th batch only,
 each round read ``every`` batches after it started: one small all-reduce per ``every`` batches
-instead of per batch (on a slow link each round is a few packets per hop, headers mostly: about
-1.5 KB per round and rank for 4 ranks, as much as a top-k scheme's whole payload per step) and
-``every`` batches of slack instead of one. The bound grows to ``2 * every`` batches.
+instead of per batch (each round is a few tiny packets per hop, so its bytes on the wire are
+mostly headers, which a top-k scheme's payload of a few KB per step notices) and ``every`` batches
+of slack instead of one. The bound grows to ``2 * every`` batches.
 """
 
 from __future__ import annotations
