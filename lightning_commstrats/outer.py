@@ -225,18 +225,35 @@ def resolve_outer_optimizer(
     return factory
 
 
+OUTER_STATES = ("host", "device")
+
+
 class OuterOptimizer:
     """The global copy of the weights (flat float32, one tensor per fragment) and its outer optimizer.
 
     Args:
         factory: builds the optimizer over the global tensors (see :func:`resolve_outer_optimizer`).
+        device: the training device, where :meth:`start_point` and :meth:`global_weights` hand out
+            a fragment (default: where the weights are).
+        placement: ``"device"`` (the global copy and the optimizer's state on ``device``) or
+            ``"host"``: on a CUDA ``device`` they live in pinned host memory, the outer step runs
+            on the CPU there (the state it reads and writes is there: stepping on the GPU would
+            move the weights and every state buffer of the fragment to the device and back at each
+            sync, and the step is a few elementwise passes once per period), and a fragment visits
+            the device only as the averaged pseudo-gradient coming to the host and the start point
+            going back. On a CPU ``device`` both placements are the same memory.
 
     Attributes:
         syncs: outer steps taken, per fragment.
     """
 
-    def __init__(self, factory: OuterFactory) -> None:
+    def __init__(self, factory: OuterFactory, device: torch.device | None = None, placement: str = "device") -> None:
+        if placement not in OUTER_STATES:
+            raise ValueError(f"outer_state={placement!r} is not supported; choose one of {OUTER_STATES}")
         self.factory = factory
+        self.device = device
+        self.home = torch.device("cpu") if placement == "host" and device is not None else device
+        self.pinned = self.home is not None and self.home.type == "cpu" and device is not None and device.type == "cuda"
         self.weights: list[Parameter] = []
         self.optimizer: Optimizer | None = None
         self.syncs: list[int] = []
@@ -247,25 +264,38 @@ class OuterOptimizer:
 
     def start(self, fragments: Sequence[Tensor]) -> None:
         """Begin from these weights (identical on every rank), one flat tensor per fragment."""
-        self.weights = [Parameter(f.detach().to(torch.float32, copy=True)) for f in fragments]
+        self.weights = [Parameter(self._home(f.detach())) for f in fragments]
         self.optimizer = self.factory(self.weights)
         self.syncs = [0] * len(self.weights)
 
+    def _home(self, t: Tensor) -> Tensor:
+        """A float32 copy of ``t`` where the state lives (pinned host memory for ``"host"`` on CUDA)."""
+        out = torch.empty(t.shape, dtype=torch.float32, device=self.home or t.device, pin_memory=self.pinned)
+        return out.copy_(t)
+
+    def _visit(self, t: Tensor) -> Tensor:
+        """``t`` on the training device (a copy of one fragment when the state is on the host)."""
+        if self.device is None or t.device == self.device:
+            return t
+        return t.to(self.device, non_blocking=self.pinned)  # from pinned memory: ordered on this stream
+
     def global_weights(self, fragment: int) -> Tensor:
-        """The global model of ``fragment`` (what validation and checkpoints see)."""
-        return self.weights[fragment].detach()
+        """The global model of ``fragment`` (what validation and checkpoints see), on the training device."""
+        return self._visit(self.weights[fragment].detach())
 
     def start_point(self, fragment: int) -> Tensor:
-        """Where workers start the next block of ``fragment`` (the look-ahead point for Nesterov BMUF)."""
+        """Where workers start the next block of ``fragment`` (the look-ahead point for Nesterov BMUF),
+        on the training device."""
         p = self.weights[fragment]
         start = getattr(self.optimizer, "start_point", None)
-        return (start(p) if start is not None else p).detach()
+        return self._visit((start(p) if start is not None else p).detach())
 
     def step(self, fragment: int, pseudo_grad: Tensor) -> None:
-        """One outer step of ``fragment`` with the averaged pseudo-gradient (identical on every rank)."""
+        """One outer step of ``fragment`` with the averaged pseudo-gradient (identical on every rank),
+        where the state lives."""
         assert self.optimizer is not None, "call start() first"
         p = self.weights[fragment]
-        p.grad = pseudo_grad.to(torch.float32)
+        p.grad = pseudo_grad.to(p.device, torch.float32)
         self.optimizer.step()
         p.grad = None
         self.syncs[fragment] += 1
@@ -283,7 +313,7 @@ class OuterOptimizer:
         if state["weights"] is None:
             self.weights, self.optimizer, self.syncs = [], None, []
             return
-        self.start([w.to(device) for w in state["weights"]])
+        self.start([w.to(self.home or device) for w in state["weights"]])
         assert self.optimizer is not None
         self.optimizer.load_state_dict(state["optimizer"])
         self.syncs = list(state["syncs"])

@@ -195,7 +195,8 @@ class TorchCommunicator(Communicator):
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
         made = None
         for i, ranks in enumerate(groups):  # every rank creates every group, in the same order
-            group = dist.new_group([self._global(r) for r in ranks])
+            # of this channel's backend: the subgroups of a host (gloo) channel beside NCCL move host memory too
+            group = dist.new_group([self._global(r) for r in ranks], backend=self.backend)
             if i == mine:
                 made = group
         return TorchCommunicator(made, stats=self.stats, heartbeat=self.heartbeat, device=self.device)

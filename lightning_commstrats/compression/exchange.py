@@ -110,6 +110,10 @@ class BucketedAllReduce:
         """The flat buffers kept for ``tag`` (``None`` when none are)."""
         return self._buffers.get(tag)
 
+    def held_tensors(self) -> list[Tensor]:
+        """The flat buffers kept between calls (for memory accounting)."""
+        return [flat for buffers in self._buffers.values() for flat in buffers.flats]
+
     def release(self, tag: str | None = None) -> None:
         """Drop the buffers kept for ``tag`` (for every tag with ``None``): traffic that has ended."""
         if tag is None:

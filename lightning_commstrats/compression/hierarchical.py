@@ -68,11 +68,7 @@ class TwoLevelAllReduce:
         self.slow_bits = slow_bits
         self.inner = comm.new_subgroups(groups)
         self.outer = comm.new_subgroups(across)
-        self._quantized = (
-            QuantizedAllReduce(ColumnCodec(slow_bits), self.outer, tag="slow_quantized")
-            if slow_bits < 32 and self.num_groups > 1
-            else None
-        )
+        self.slow = SlowHop(self.outer, slow_bits)
 
     def __repr__(self) -> str:
         return (
@@ -88,7 +84,7 @@ class TwoLevelAllReduce:
         if world == 1:
             return flat.clone()
         chunk = -(-n // g)
-        if self._quantized is not None:  # the slow hop's chunk is cut into columns of COLUMN values
+        if self.slow.quantized is not None:  # the slow hop's chunk is cut into columns of COLUMN values
             chunk = -(-chunk // COLUMN) * COLUMN
         if chunk * g == n:  # no copy of the buffer when the group divides it
             padded = flat
@@ -96,33 +92,86 @@ class TwoLevelAllReduce:
             padded = flat.new_zeros(chunk * g)
             padded[:n] = flat
         part = self.inner.reduce_scatter(padded, "sum", tag=tag)  # fast: this group's sum of chunk i
-        if self.num_groups > 1:
-            if self._quantized is None:
-                part = self.outer.all_reduce(part, "sum", tag=tag)
-            else:  # the average over the groups, times their number: the sum
-                name = f"{key or tag}/{n}"  # a residual per call site and size
-                matrix = part.float().view(COLUMN, -1)
-                part = self._quantized({name: matrix})[name].reshape(-1).to(part.dtype) * self.num_groups
+        part = self.slow.sum(part, tag, f"{key or tag}/{n}")  # a residual per call site and size
         full = self.inner.all_gather(part.contiguous(), tag=tag).reshape(-1)  # fast
         return full[:n].div_(world)
 
     @property
     def nonfinite(self) -> list[str]:
         """Call sites whose last quantized slow hop was not finite (their residuals were kept)."""
-        return [] if self._quantized is None else list(self._quantized.nonfinite)
+        return self.slow.nonfinite
 
     # ------------------------------------------------------------------ rank-local state
 
     def state_dict(self) -> dict[str, Any]:
         """The slow hop's error-feedback residuals per call site (empty in fp32)."""
-        if self._quantized is None:
-            return {}
-        return self._quantized.state_dict()
+        return self.slow.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._quantized is not None and state:
-            self._quantized.load_state_dict(state)
+        self.slow.load_state_dict(state)
 
     def reset(self) -> None:
-        if self._quantized is not None:
-            self._quantized.reset()
+        self.slow.reset()
+
+
+class SlowHop:
+    """The sum of a flat buffer over the ranks of ``across`` (one rank of every group): fp32, or
+    ``slow_bits`` per value with per-column scales and error feedback (a residual per call site).
+
+    The hop between groups of :class:`TwoLevelAllReduce` (after its reduce-scatter inside the
+    group), and, called as an average, the whole gradient exchange of a sharded run
+    (``shard="fsdp"``), where FSDP2 has reduce-scattered inside the group already.
+    """
+
+    def __init__(self, across: Communicator, slow_bits: int = 32) -> None:
+        check_slow_bits(slow_bits)
+        self.across = across
+        self.slow_bits = slow_bits
+        self.quantized = (
+            QuantizedAllReduce(ColumnCodec(slow_bits), across, tag="slow_quantized")
+            if slow_bits < 32 and across.world_size > 1
+            else None
+        )
+
+    def __repr__(self) -> str:
+        hop = "fp32" if self.slow_bits == 32 else f"{self.slow_bits}-bit"
+        return f"SlowHop({self.across.world_size} groups, {hop})"
+
+    def sum(self, part: Tensor, tag: str, name: str) -> Tensor:
+        """The sum of ``part`` over the groups (in place in fp32; a new tensor when quantized, whose
+        length must then be a multiple of :data:`COLUMN`). ``name`` keys the residual."""
+        if self.across.world_size == 1:
+            return part
+        if self.quantized is None:
+            return self.across.all_reduce(part, "sum", tag=tag)
+        # the average over the groups, times their number: the sum
+        matrix = part.float().view(COLUMN, -1)
+        return self.quantized({name: matrix})[name].reshape(-1).to(part.dtype) * self.across.world_size
+
+    def __call__(self, flat: Tensor, tag: str, key: str | None = None) -> Tensor:
+        """The average of the 1-D ``flat`` over the groups (the ``average`` of a fused all-reduce)."""
+        n = flat.numel()
+        if self.across.world_size == 1:
+            return flat
+        if self.quantized is None:
+            return self.across.all_reduce(flat, "avg", tag=tag)
+        padded = flat.new_zeros(-(-n // COLUMN) * COLUMN)
+        padded[:n] = flat
+        return self.sum(padded, tag, f"{key or tag}/{n}")[:n].div_(self.across.world_size)
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Call sites whose last quantized hop was not finite (their residuals were kept)."""
+        return [] if self.quantized is None else list(self.quantized.nonfinite)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The error-feedback residuals per call site (empty in fp32)."""
+        return {} if self.quantized is None else self.quantized.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.quantized is not None and state:
+            self.quantized.load_state_dict(state)
+
+    def reset(self) -> None:
+        if self.quantized is not None:
+            self.quantized.reset()

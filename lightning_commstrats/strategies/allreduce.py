@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
 from lightning_commstrats.compression.exchange import GradientCompression
+from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT, CommStrategy
 
 
@@ -58,6 +59,7 @@ class AllReduceStrategy(CommStrategy):
     """
 
     strategy_name = "allreduce"
+    supports_shard = True
 
     def __init__(
         self,
@@ -78,7 +80,7 @@ class AllReduceStrategy(CommStrategy):
 
     def allreduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` over ranks in fused buckets, through :meth:`exchange`."""
-        grads = [dense_grad(p) for p in params]
+        grads = [local(dense_grad(p)) for p in params]
         self.all_reduce_fused(
             grads,
             tag="grad",
@@ -96,9 +98,9 @@ class AllReduceStrategy(CommStrategy):
     def exchange_compressed(self, compression: GradientCompression, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` through ``compression``: quantized matrices (after its
         warm start) and fp32 small tensors."""
-        compression.bind(self.comm, self.bucket_cap_mb, average=self.two_level)
+        compression.bind(self.replica_comm, self.bucket_cap_mb, average=self.two_level)
         bad = compression.average(
-            {self.param_name(p): dense_grad(p) for p in params},
+            {self.param_name(p): local(dense_grad(p)) for p in params},
             samples_seen=self._samples_at_step * self.world_size,
             steps=self.optimizer_steps,
         )
@@ -122,8 +124,8 @@ class AllReduceStrategy(CommStrategy):
 
     def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:
         """Raise ``ValueError`` when a checkpoint's residuals do not fit this model and world."""
-        shapes = {n: p.shape for n, p in self.lightning_module.named_parameters()}
-        compression.bind(self.comm, self.bucket_cap_mb).check_state(rank_state, shapes)
+        shapes = {n: local(p).shape for n, p in self.lightning_module.named_parameters()}
+        compression.bind(self.replica_comm, self.bucket_cap_mb).check_state(rank_state, shapes)
 
 
 def dense_grad(p: torch.nn.Parameter) -> Tensor:

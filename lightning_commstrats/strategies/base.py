@@ -56,7 +56,8 @@ from lightning_commstrats.comm import (
     resolve_backend,
 )
 from lightning_commstrats.compression.exchange import BucketedAllReduce
-from lightning_commstrats.compression.hierarchical import TwoLevelAllReduce, check_slow_bits
+from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
+from lightning_commstrats.sharding import Sharding, check_shard, local, memory_by_kind
 from lightning_commstrats.strategies.stop import StopAgreement
 
 log = logging.getLogger(__name__)
@@ -145,11 +146,21 @@ class CommStrategy(RankDevices, ParallelStrategy):
             (default): one flat ring over all ranks.
         slow_hop_bits: bits per value on the hop between groups: 32 (fp32) or 16, 8, 4, 2, 1
             (quantized with per-column scales and error feedback; needs ``group_size``).
+        shard: ``None`` (default: every rank holds the whole model) or ``"fsdp"``: parameters,
+            gradients and the inner optimizer state are sharded with torch's FSDP2 over each group of
+            ``group_size`` consecutive ranks (default ``"node"``), and the scheme exchanges each rank's
+            own shard with the same shard of the other groups (see :mod:`lightning_commstrats.sharding`).
+            Supported by ``allreduce``, ``onebit_sgd`` and the periodic schemes; the others refuse it.
+        shard_policy: with ``shard="fsdp"``, which modules are units of sharding when the model's
+            ``configure_model`` did not apply ``fully_shard`` itself: a
+            :class:`~lightning_commstrats.sharding.ShardPolicy` or a dict of its fields (default: the
+            elements of module lists and embeddings of at least 65,536 values, then the root).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
 
     strategy_name: ClassVar[str] = ""
+    supports_shard: ClassVar[bool] = False  # whether the scheme works on FSDP2 shards (shard="fsdp")
 
     def __init__(
         self,
@@ -165,6 +176,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         process_group_backend: str | None = None,
         group_size: int | str | None = None,
         slow_hop_bits: int = 32,
+        shard: str | None = None,
+        shard_policy: Any = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -209,7 +222,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
             if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
                 raise ValueError(f"group_size must be a positive int, 'node' or None, got {group_size!r}")
         check_slow_bits(slow_hop_bits)
-        if slow_hop_bits < 32 and group_size is None:
+        if slow_hop_bits < 32 and group_size is None and shard is None:
             raise ValueError(f"slow_hop_bits={slow_hop_bits} needs group_size (the hop between groups of ranks)")
         if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
             raise ValueError(f"verify_sync_every must be an int >= 0 (0: never), got {verify_sync_every!r}")
@@ -217,9 +230,13 @@ class CommStrategy(RankDevices, ParallelStrategy):
             raise ValueError(
                 f"verify_sync_action={verify_sync_action!r} is not supported; choose one of ('raise', 'warn')"
             )
+        check_shard(shard, type(self).__name__, self.supports_shard, backend)
+        self.sharding = Sharding(group_size or "node", shard_policy) if shard is not None else None
+        self.shard = shard
         self.group_size = group_size
         self.slow_hop_bits = slow_hop_bits
-        self.two_level: TwoLevelAllReduce | None = None  # made once the ranks are connected
+        # made once the ranks are connected: two levels over groups, or the hop across them when sharded
+        self.two_level: TwoLevelAllReduce | SlowHop | None = None
         self.verify_sync_every = verify_sync_every
         self.verify_sync_action = verify_sync_action
         self._backend = backend
@@ -228,6 +245,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self._nonfinite_names: list[str] = []  # set by an exchange of this step whose average was not finite
         self.bucket_cap_mb = bucket_cap_mb
         self._fused: BucketedAllReduce | None = None
+        self._fused_world: BucketedAllReduce | None = None  # sharded runs: buffers over every rank
         self._param_names: dict[int, str] = {}
         self.samples_per_worker = 0
         self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
@@ -354,7 +372,13 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 main_port=env.main_port if multi else 0,
                 timeout=self._timeout,
             )
-        if self.group_size is not None and self.world_size > 1 and self.two_level is None:
+        if self.sharding is not None and self.sharding.mesh is None:
+            self.sharding.connect(self._comm, self.num_processes, self.root_device)
+            assert self.sharding.cross is not None
+            self.two_level = SlowHop(self.sharding.cross, self.slow_hop_bits)
+            if self.lightning_module is not None:  # for a configure_model that shards the model itself
+                self.lightning_module._device_mesh = self.sharding.mesh
+        elif self.group_size is not None and self.world_size > 1 and self.two_level is None:
             size = self.num_processes if self.group_size == "node" else self.group_size
             self.two_level = TwoLevelAllReduce(self._comm, size, self.slow_hop_bits)
         log.info(
@@ -431,12 +455,43 @@ class CommStrategy(RankDevices, ParallelStrategy):
         return getattr(self.lightning_module, "_trainer", None)
 
     def configure_model_parallel(self) -> None:
-        """Shard the model across ranks before the optimizers are built (no-op: pure data parallel)."""
+        """Shard the model across ranks before the optimizers are built: with ``shard="fsdp"``, FSDP2
+        over each group by the shard policy (unless ``configure_model`` did it); else a no-op."""
+        if self.sharding is not None:
+            assert self.lightning_module is not None
+            self.sharding.shard_module(self.lightning_module)
 
     def synchronize_initial_weights(self) -> None:
-        """Every rank starts from rank 0's weights, as DDP does when it wraps a model."""
+        """Every rank starts from rank 0's weights, as DDP does when it wraps a model (sharded: every
+        group from group 0's shards)."""
         assert self.model is not None
-        self.broadcast_module(self.model)
+        if self.sharding is not None:
+            self.sharding.broadcast_replicas(self.model, self.comm)
+        else:
+            self.broadcast_module(self.model)
+
+    @property
+    def replica_comm(self) -> Communicator:
+        """The ranks that hold the same tensors as this one and exchange them: all ranks, or with
+        ``shard="fsdp"`` the cross-group channel (rank ``i`` of every group)."""
+        if self.sharding is not None and self.sharding.cross is not None:
+            return self.sharding.cross
+        return self.comm
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds now, by kind (``parameters``, ``gradients``, ``optimizer``, ``scheme``)
+        and device (``"cpu"``, ``"cuda:0"``...), counted from the tensors' storages, each storage once
+        (see :func:`lightning_commstrats.sharding.memory_by_kind`)."""
+        assert self.lightning_module is not None
+        return memory_by_kind(self.lightning_module, self.optimizers, self.scheme_tensors())
+
+    def scheme_tensors(self) -> list[Tensor]:
+        """The tensors of the scheme's own state (residuals, global model, outer optimizer...), for
+        :meth:`memory_stats`; the base holds the fused buckets and the slow hop's residuals."""
+        held: list[Any] = [self._fused, self._fused_world]
+        if self.two_level is not None:
+            held.append(self.two_level.state_dict())
+        return tensors_in(held)
 
     def broadcast_module(self, module: Module, src: int = 0) -> None:
         """Overwrite every parameter and buffer of ``module`` with rank ``src``'s (tag ``"setup"``)."""
@@ -504,7 +559,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         buffers = self.buffers_to_sync()
         floats = [b for b in buffers if b.is_floating_point()]
         if floats:
-            self.all_reduce_fused(floats, tag=tag)
+            self.all_reduce_fused(floats, tag=tag, world=True)
         others: dict[torch.dtype, list[Tensor]] = {}
         for b in buffers:
             if not b.is_floating_point():
@@ -816,8 +871,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
         tag: str,
         exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
         names: Sequence[str] | None = None,
+        world: bool = False,
     ) -> None:
         """Average ``tensors`` over ranks in place, fused into buckets of at most ``bucket_cap_mb``.
+
+        With ``shard="fsdp"`` the ranks are those of :attr:`replica_comm` (the tensors are local
+        shards: gradients, optimizer state) unless ``world`` (tensors every rank holds whole: buffers).
 
         ``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
         ``tensors``); it must return the same tensor on every rank.
@@ -827,10 +886,17 @@ class CommStrategy(RankDevices, ParallelStrategy):
         on every rank. The check reads each bucket's average once (every rank holds the same, so
         every rank decides the same) and synchronises with the host once per call, not per tensor.
         """
-        if self._fused is None:
-            self._fused = BucketedAllReduce(self.comm, int(self.bucket_cap_mb * 2**20), average=self.two_level)
+        cap = int(self.bucket_cap_mb * 2**20)
+        if world and self.sharding is not None:
+            if self._fused_world is None:
+                self._fused_world = BucketedAllReduce(self.comm, cap)
+            fused = self._fused_world
+        else:
+            if self._fused is None:
+                self._fused = BucketedAllReduce(self.comm, cap, average=self.two_level)
+            fused = self._fused
         flags: list[Tensor] | None = [] if names is not None else None
-        self._fused(tensors, tag=tag, exchange=exchange, finite_flags=flags)
+        fused(tensors, tag=tag, exchange=exchange, finite_flags=flags)
         if flags and not bool(torch.stack(flags).all()):
             assert names is not None
             self.report_nonfinite([n for n, t in zip(names, tensors, strict=True) if not bool(torch.isfinite(t).all())])
@@ -842,25 +908,26 @@ class CommStrategy(RankDevices, ParallelStrategy):
         return self.comm.all_reduce(flat, "avg", tag=tag)
 
     def replicated_tensors(self) -> dict[str, Tensor]:
-        """The tensors every rank must hold bit for bit (all parameters for a gradient scheme)."""
+        """The tensors every rank of :attr:`replica_comm` must hold bit for bit (all parameters, or
+        their local shards, for a gradient scheme)."""
         assert self.lightning_module is not None
-        return {n: p.detach() for n, p in self.lightning_module.named_parameters()}
+        return {n: local(p).detach() for n, p in self.lightning_module.named_parameters()}
 
     def verify_replicas(self) -> list[str]:
         """Check that the replicas agree: two float64 moments of every replicated tensor, gathered
         from every rank (16 bytes a tensor) and compared exactly. Every rank sees the same gathered
         values, so all of them raise (or warn) together. Returns the tensors that disagree."""
-        if self._comm is None or self.world_size == 1:
+        if self._comm is None or self.replica_comm.world_size == 1:
             return []
         named = self.replicated_tensors()
         if not named:
             return []
         moments = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in named.values()])
-        every = self.comm.all_gather(moments, tag="control")  # [ranks, tensors, 2]
+        every = self.replica_comm.all_gather(moments, tag="control")  # [ranks, tensors, 2]
         differs = (every != every[0]).any(-1)  # [ranks, tensors]
         bad = [name for name, d in zip(named, differs.any(0).tolist(), strict=True) if d]
         if bad:
-            ranks = [r for r in range(self.world_size) if bool(differs[r].any())]
+            ranks = [r for r in range(self.replica_comm.world_size) if bool(differs[r].any())]
             shown = _some_names(bad)
             message = (
                 f"{type(self).__name__}: replicas disagree at optimizer step {self.optimizer_steps}: {shown}"
@@ -932,6 +999,26 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
+
+
+def tensors_in(obj: Any) -> list[Tensor]:
+    """Every tensor in a nested structure of dicts, lists and tuples, and the buffers a fused all-reduce keeps."""
+    found: list[Tensor] = []
+
+    def visit(o: Any) -> None:
+        if isinstance(o, Tensor):
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+        elif isinstance(o, BucketedAllReduce):
+            visit(o.held_tensors())
+
+    visit(obj)
+    return found
 
 
 def agreed_buffer_ids(module: Module) -> set[int]:

@@ -85,6 +85,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
     """
 
     strategy_name = "expert_parallel"
+    supports_shard = False
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     """
 
     strategy_name = "local_sgd"
+    supports_shard = False
 
     def __init__(
         self, sync_period: int = 8, average_optimizer_state: bool = False, pseudo_grad_bits: int = 32, **kwargs: Any

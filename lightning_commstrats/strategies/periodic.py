@@ -47,9 +47,10 @@ from lightning_commstrats.compression.exchange import SCALES, TensorExchange, ch
 from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.compression.sparse import check_sparse_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
-from lightning_commstrats.outer import OuterFactory, OuterOptimizer, resolve_outer_optimizer
+from lightning_commstrats.outer import OUTER_STATES, OuterFactory, OuterOptimizer, resolve_outer_optimizer
+from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
-from lightning_commstrats.strategies.base import CommStrategy, _to_cpu
+from lightning_commstrats.strategies.base import CommStrategy, _to_cpu, tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,14 @@ class PeriodicSyncStrategy(CommStrategy):
             replica); the pseudo-gradient is averaged across the replicas alive at each sync. See
             :mod:`lightning_commstrats.fault_tolerance` and the README's walk-through. Needs
             ``sync_period_unit="steps"`` and no warm start.
+        outer_state: where the global copy and the outer optimizer's state live on a CUDA run:
+            ``"host"`` (default: pinned host memory, the outer step on the CPU, a fragment at a time
+            on the device at a sync) or ``"device"`` (on the GPU). On CPU the two are the same memory.
+            See :class:`~lightning_commstrats.outer.OuterOptimizer`.
         **kwargs: passed to :class:`~lightning_commstrats.strategies.base.CommStrategy`.
     """
+
+    supports_shard = True
 
     def __init__(
         self,
@@ -190,10 +197,18 @@ class PeriodicSyncStrategy(CommStrategy):
         fragment_update_alpha: float = 0.0,
         keep_local_progress: bool = False,
         fault_tolerance: FaultTolerance | dict[str, Any] | None = None,
+        outer_state: str = "host",
         **kwargs: Any,
     ) -> None:
         check_period(sync_period, sync_period_unit)
+        if outer_state not in OUTER_STATES:
+            raise ValueError(f"outer_state={outer_state!r} is not supported; choose one of {OUTER_STATES}")
         ft = FaultTolerance.of(fault_tolerance)
+        if ft is not None and kwargs.get("shard") is not None:
+            raise ValueError(
+                f"fault_tolerance with shard={kwargs['shard']!r} is not supported yet: a fault-tolerant replica"
+                " exchanges through its rank 0; use shard=None with fault_tolerance"
+            )
         if ft is not None:
             import_torchft()  # without the [ft] extra: the install hint now
             if sync_period_unit != "steps":
@@ -274,6 +289,7 @@ class PeriodicSyncStrategy(CommStrategy):
         self.fragment_update_alpha = fragment_update_alpha
         self.keep_local_progress = keep_local_progress
         self.fault_tolerance = ft
+        self.outer_state = outer_state
         self._replica: ReplicaSync | None = None  # the replica's torchft membership (its rank 0 only)
         self._relay: Communicator | None = None  # the replica's ranks, for what its rank 0 decided
         self._shared: dict[str, Any] | None = None  # what a healing peer receives (snapshot of the last sync)
@@ -303,7 +319,10 @@ class PeriodicSyncStrategy(CommStrategy):
         With a delay it runs on a second channel of the ranks, in a background thread.
         """
         if self._exchange is None:
-            comm: Communicator = self._background_channel() if self.fragment_sync_delay else self.comm
+            comm = self.replica_comm
+            if self.fragment_sync_delay:
+                host = self.root_device.type == "cuda"
+                comm = self.sharding.cross_channel(self.comm, host=host) if self.sharding else self._background_channel()
             self._exchange = self._make_exchange(comm)
         return self._exchange
 
@@ -339,7 +358,7 @@ class PeriodicSyncStrategy(CommStrategy):
         evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
         if self.fault_tolerance is not None and not evaluating:  # validate/test alone: no quorum to join
             self._join_replicas()
-        elif self.world_size > 1:
+        elif self.replica_comm.world_size > 1:
             _ = self.exchange  # every rank makes its channel now, in the same order
 
     # ------------------------------------------------------------------ parameters as vectors
@@ -356,12 +375,15 @@ class PeriodicSyncStrategy(CommStrategy):
     def flat_weights(self, fragment: int | None = None) -> Tensor:
         """A float32 copy of the local weights of ``fragment`` (of all parameters for ``None``)."""
         params = self.params if fragment is None else self.fragment_params(fragment)
-        return flatten([p.detach().float() for p in params])
+        return flatten([local(p).detach().float() for p in params])
 
     def load_flat(self, flat: Tensor, fragment: int | None = None) -> None:
         params = self.params if fragment is None else self.fragment_params(fragment)
         with torch.no_grad():
-            unflatten_into(flat, [p.data for p in params])
+            unflatten_into(flat, [local(p.data) for p in params])
+
+    def _new_outer(self) -> OuterOptimizer:
+        return OuterOptimizer(self.outer_factory(), self.root_device, self.outer_state)
 
     def global_weights(self) -> Tensor | None:
         """The global model as one flat float32 vector (what validation and checkpoints see), once started."""
@@ -390,7 +412,7 @@ class PeriodicSyncStrategy(CommStrategy):
         if self._fused is not None:  # the warm start's gradient exchange is over: free its buffers
             self._fused.release("grad")
         self._stagger()
-        self.outer = OuterOptimizer(self.outer_factory())
+        self.outer = self._new_outer()
         self.outer.start([self.flat_weights(k) for k in range(self.num_fragments)])
 
     def _stagger(self) -> None:
@@ -400,11 +422,11 @@ class PeriodicSyncStrategy(CommStrategy):
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
-        if (not self.started or self.fault_tolerance is not None) and self.world_size > 1:
+        if (not self.started or self.fault_tolerance is not None) and self.replica_comm.world_size > 1:
             # warm start, or inside a fault-tolerant replica: fully synchronous data parallelism
             params = trainable_params(optimizer)
             self.all_reduce_fused(
-                [dense_grad(p) for p in params], tag="grad", names=[self.param_name(p) for p in params]
+                [local(dense_grad(p)) for p in params], tag="grad", names=[self.param_name(p) for p in params]
             )
 
     @override
@@ -477,7 +499,7 @@ class PeriodicSyncStrategy(CommStrategy):
             pending.launched = local
         if self.fault_tolerance is not None:
             self._shared = self._shared_state(pending)  # read by a healing peer during this sync's quorum
-        if background and (self.world_size > 1 or self.fault_tolerance is not None):
+        if background and (self.replica_comm.world_size > 1 or self.fault_tolerance is not None):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
             side = None
@@ -565,8 +587,9 @@ class PeriodicSyncStrategy(CommStrategy):
     def _named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
         views, offset = {}, 0
         for p in self.fragment_params(fragment):
-            views[self.param_name(p)] = flat[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
+            shard = local(p)
+            views[self.param_name(p)] = flat[offset : offset + shard.numel()].view(shard.shape)
+            offset += shard.numel()
         return views
 
     @override
@@ -649,7 +672,7 @@ class PeriodicSyncStrategy(CommStrategy):
         zero (they are this replica's own error on a trajectory the run did not keep; a peer's
         residual would count that peer's error twice); the inner optimizers keep their own state
         (a peer's is read while it trains, and Adam's moments rebuild in a few steps)."""
-        outer = OuterOptimizer(self.outer_factory())
+        outer = self._new_outer()
         outer.load_state_dict(state["outer"], self.root_device)
         self.outer, self.started = outer, True
         self._block_start = [int(b) for b in state["block_start"]]
@@ -868,15 +891,15 @@ class PeriodicSyncStrategy(CommStrategy):
         super().on_validation_start()
         global_weights = self.global_weights()
         if global_weights is not None:
-            self._stash = [p.detach().clone() for p in self.params]
+            self._stash = [local(p).detach().clone() for p in self.params]
             self.load_flat(global_weights)
 
     @override
     def on_validation_end(self) -> None:
         if self._stash is not None:
             with torch.no_grad():
-                for p, local in zip(self.params, self._stash, strict=True):
-                    p.copy_(local)
+                for p, mine in zip(self.params, self._stash, strict=True):
+                    local(p).copy_(mine)
             self._stash = None
         super().on_validation_end()
 
@@ -963,11 +986,11 @@ class PeriodicSyncStrategy(CommStrategy):
 
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        n = sum(p.numel() for p in self.params)
+        n = sum(local(p).numel() for p in self.params)
         if rank_state["weights"] is not None and rank_state["weights"].numel() != n:
             raise ValueError(f"it holds {rank_state['weights'].numel()} weights and this model has {n}")
-        sizes = [sum(p.numel() for p in self.fragment_params(k)) for k in range(self.num_fragments)]
-        outer = OuterOptimizer(self.outer_factory())
+        sizes = [sum(local(p).numel() for p in self.fragment_params(k)) for k in range(self.num_fragments)]
+        outer = self._new_outer()
         if state["outer"] is not None:
             outer.check_state(state["outer"], sizes)
         if len(state["block_start"]) not in (0, self.num_fragments):
@@ -976,7 +999,7 @@ class PeriodicSyncStrategy(CommStrategy):
         # they belong to depend on the quorum, which is not known before the first sync
         residuals = rank_state["exchange"] if self.fault_tolerance is None else None
         if residuals is not None:
-            self.exchange.check_state(residuals, {self.param_name(p): p.shape for p in self.params})
+            self.exchange.check_state(residuals, {self.param_name(p): local(p).shape for p in self.params})
         super().load_state_dict(state, rank_state)
         self.started = bool(state["started"])
         self._block_start = [int(b) for b in state["block_start"]]
@@ -1002,6 +1025,18 @@ class PeriodicSyncStrategy(CommStrategy):
             optimizer.load_state_dict(opt_state)
         if residuals is not None:
             self.exchange.load_state_dict(residuals)
+
+    @override
+    def scheme_tensors(self) -> list[Tensor]:
+        inflight = self._inflight
+        held = [
+            self.outer.state_dict() if self.outer is not None else None,
+            None if inflight is None else [inflight.grad, inflight.launched],
+            self._exchange.state_dict() if self._exchange is not None else None,
+            self._exchange.fused if self._exchange is not None else None,
+            self._stash,
+        ]
+        return super().scheme_tensors() + tensors_in(held)
 
     @override
     def reset_state(self) -> None:
@@ -1154,6 +1189,11 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
     ) -> None:
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r} is not supported; choose one of {WEIGHTINGS}")
+        if weighting == "samples" and kwargs.get("shard") is not None:
+            raise ValueError(
+                "weighting='samples' is not supported with shard='fsdp' (the ranks of a group hold one model between"
+                " them and would weigh its shards by their own counts); use weighting='uniform'"
+            )
         refuse_outer_arguments(kwargs, "ModelAveragingStrategy", "nothing: its outer step is the average")
         super().__init__(
             sync_period=sync_period,
@@ -1247,7 +1287,7 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
         for optimizer in self.optimizers:
             states = [optimizer.state[p] for p in trainable_params(optimizer) if p in optimizer.state]
             buffers = [
-                s[key]
+                local(s[key])
                 for s in states
                 for key in sorted(s)
                 if isinstance(s[key], Tensor) and s[key].is_floating_point() and s[key].dim() > 0

@@ -87,6 +87,7 @@ class SampledVocabStrategy(AllReduceStrategy):
     """
 
     strategy_name = "sampled_vocab"
+    supports_shard = False
 
     def __init__(
         self,

@@ -1,0 +1,37 @@
+"""Sharded replicas: FSDP2 inside groups of ranks, a scheme across groups, and what goes with it.
+
+- :mod:`~lightning_commstrats.sharding.layout`: :class:`Sharding`, the component a strategy holds
+  with ``shard="fsdp"`` (the ``(replicate, shard)`` mesh, the cross-group channel, local shards);
+- :mod:`~lightning_commstrats.sharding.policy`: :class:`ShardPolicy`, which modules are units;
+- :mod:`~lightning_commstrats.sharding.memory`: bytes per rank by kind and device, from storages;
+- :mod:`~lightning_commstrats.sharding.checkpoint`: sharded checkpoints with
+  ``torch.distributed.checkpoint`` (resume bit for bit, or onto another layout).
+"""
+
+from lightning_commstrats.sharding.layout import (
+    SHARD_MODES,
+    Sharding,
+    check_shard,
+    fsdp_available,
+    is_dtensor,
+    local,
+    local_grad,
+)
+from lightning_commstrats.sharding.memory import KINDS, format_memory, memory_by_kind, total_bytes
+from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
+
+__all__ = [
+    "KINDS",
+    "SHARD_MODES",
+    "ShardPolicy",
+    "Sharding",
+    "apply_fsdp",
+    "check_shard",
+    "format_memory",
+    "fsdp_available",
+    "is_dtensor",
+    "local",
+    "local_grad",
+    "memory_by_kind",
+    "total_bytes",
+]

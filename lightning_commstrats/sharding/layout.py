@@ -1,0 +1,183 @@
+"""The sharded layout of a run: FSDP2 inside each group of ranks, the schemes across the groups.
+
+A run of ``N`` ranks in groups of ``g`` consecutive ranks (a node, a supernode: the fast links) is a
+2-D ``DeviceMesh`` ``(replicate, shard)`` of ``G x g``. FSDP2 shards the parameters, gradients and
+inner optimizer state over the ``shard`` dimension (rank ``i`` of a group holds chunk ``i`` of every
+sharded parameter, dim 0); the schemes exchange across the ``replicate`` dimension, over the
+*cross-group channel*: the communicator of rank ``i`` of every group, whose ranks hold the same
+chunks. Every rank thus carries its own share across the slow links (``1 / g`` of the model); none
+funnels through a group's first rank.
+
+:class:`Sharding` is the component a strategy holds for this: it validates the setting, builds the
+mesh and the cross-group channel, shards the model (:mod:`lightning_commstrats.sharding.policy`),
+hands out local tensors, and saves and loads sharded checkpoints
+(:mod:`lightning_commstrats.sharding.checkpoint`). No Lightning here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.compression.hierarchical import group_layout
+from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
+
+log = logging.getLogger(__name__)
+
+SHARD_MODES = (None, "fsdp")
+
+
+def fsdp_available() -> bool:
+    """Whether this torch has FSDP2 (``fully_shard``) and DTensor."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.tensor import DTensor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.distributed.is_available()
+
+
+def check_shard(shard: Any, owner: str, supported: bool, backend: str = "auto") -> None:
+    """Construction-time checks of ``shard``: its value, the scheme's support, FSDP2's presence."""
+    if shard not in SHARD_MODES:
+        raise ValueError(f"shard={shard!r} is not supported; choose one of {SHARD_MODES}")
+    if shard is None:
+        return
+    if backend == "mpi":
+        raise ValueError(f"shard={shard!r} needs torch.distributed (FSDP2); backend='mpi' cannot carry it: use gloo or nccl")
+    if not supported:
+        raise ValueError(
+            f"{owner} cannot honour shard={shard!r}: sharding with FSDP2 is supported by allreduce, onebit_sgd and"
+            " the periodic schemes (model_averaging, bmuf, diloco, streaming_diloco, sparseloco)"
+        )
+    if not fsdp_available():
+        raise ValueError(
+            f"shard={shard!r} needs torch's FSDP2 (torch.distributed.fsdp.fully_shard and DTensor), which this"
+            f" torch {torch.__version__} lacks; install torch >= 2.6"
+        )
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (sharing its storage), else ``t``."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def local_grad(p: Tensor) -> Tensor:
+    """This rank's part of ``p.grad`` (zeros when ``p`` got none)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return local(p.grad)
+
+
+class Sharding:
+    """FSDP2 inside groups of ``group_size`` ranks; the cross-group channel for the scheme.
+
+    Args:
+        group_size: ranks per group (consecutive ranks); must divide the world (checked at
+            :meth:`connect`, when the world is known).
+        policy: which modules are units (:class:`~lightning_commstrats.sharding.policy.ShardPolicy`).
+    """
+
+    def __init__(self, group_size: int | str, policy: ShardPolicy | dict[str, Any] | None = None) -> None:
+        self.group_size = group_size
+        self.policy = ShardPolicy.of(policy)
+        self.mesh: Any = None  # the 2-D (replicate, shard) DeviceMesh
+        self.cross: Communicator | None = None  # rank i of every group
+        self.units: list[str] = []
+        self.num_groups = 1
+        self.group = 0  # this rank's group
+        self.index = 0  # this rank's place in its group
+
+    def __repr__(self) -> str:
+        size = self.group_size if self.mesh is None else self.mesh.shape[1]
+        return f"Sharding(fsdp, {self.num_groups} group(s) of {size}, {len(self.units)} unit(s) + root)"
+
+    def connect(self, comm: Communicator, devices_per_node: int, device: torch.device) -> None:
+        """Build the mesh and the cross-group channel (collective: every rank, in the same order)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        size = devices_per_node if self.group_size == "node" else int(self.group_size)
+        _, across = group_layout(comm.world_size, size)  # raises when the size does not divide the world
+        self.num_groups, self.group, self.index = comm.world_size // size, comm.rank // size, comm.rank % size
+        self.mesh = init_device_mesh(
+            device.type, (self.num_groups, size), mesh_dim_names=("replicate", "shard")
+        )
+        self._across = across
+        self.cross = comm.new_subgroups(across) if self.num_groups > 1 else _single(comm)
+
+    def cross_channel(self, comm: Communicator, *, host: bool) -> Communicator:
+        """Another cross-group channel, for a background exchange (collective, as :meth:`connect`):
+        over host memory (gloo) when ``host``, else the backend of ``comm``."""
+        if self.num_groups == 1:
+            return _single(comm)
+        return comm.duplicate(host=host).new_subgroups(self._across)
+
+    @property
+    def shard_mesh(self) -> Any:
+        """The 1-D mesh of this rank's group, over which FSDP2 shards."""
+        return self.mesh["shard"]
+
+    def shard_module(self, module: nn.Module) -> None:
+        """Shard ``module`` by the policy, unless its ``configure_model`` already applied
+        ``fully_shard`` (then it is used as it is, after a check that it was sharded over this mesh)."""
+        sharded = [p for p in module.parameters() if is_dtensor(p)]
+        if sharded:
+            if len(sharded) != len(list(module.parameters())):
+                names = [n for n, p in module.named_parameters() if not is_dtensor(p)][:5]
+                raise ValueError(
+                    f"configure_model sharded only part of the model ({names} are not DTensors): apply fully_shard"
+                    " to the root module too, over self.device_mesh['shard']"
+                )
+            meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in sharded}
+            mine = tuple(self.shard_mesh.mesh.flatten().tolist())
+            if meshes != {mine}:
+                raise ValueError(
+                    f"configure_model sharded the model over ranks {sorted(meshes)}; with shard='fsdp' shard it over"
+                    f" self.device_mesh['shard'] (ranks {list(mine)})"
+                )
+            self.units = ["(configure_model)"]
+            return
+        self.units = apply_fsdp(module, self.shard_mesh, self.policy)
+        log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
+
+    def broadcast_replicas(self, module: nn.Module, comm: Communicator) -> None:
+        """Every group starts from group 0's weights: the local shards across the groups, the
+        buffers (not sharded) from rank 0 over all ranks (tag ``"setup"``)."""
+        assert self.cross is not None
+        with torch.no_grad():
+            for p in module.parameters():
+                shard = local(p)
+                if shard.numel():
+                    self.cross.broadcast(shard.data, 0, tag="setup")
+            for b in module.buffers():
+                if b.is_contiguous():
+                    comm.broadcast(b.data, 0, tag="setup")
+                else:
+                    b.copy_(comm.broadcast(b.detach().contiguous(), 0, tag="setup"))
+
+    @staticmethod
+    def local_tensors(tensors: Iterable[Tensor]) -> list[Tensor]:
+        return [local(t) for t in tensors]
+
+
+def _single(comm: Communicator) -> Communicator:
+    """The cross-group channel of a run with one group: this rank alone."""
+    from lightning_commstrats.comm.base import LocalCommunicator
+
+    single = LocalCommunicator()
+    single.stats = comm.stats
+    return single

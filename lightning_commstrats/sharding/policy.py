@@ -1,0 +1,128 @@
+"""Which modules FSDP2 shards as units, and applying ``fully_shard`` by that choice.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) gathers a unit's parameters just before the unit
+runs and frees them after: the peak of gathered parameters is one unit, not the model. Units are
+modules; the root module takes whatever parameters no unit holds. The policy says which modules
+are units:
+
+- ``units=None`` (default): by size. Every module that is an element of a ``ModuleList`` or
+  ``Sequential`` (the blocks of a Transformer, the layers of a stacked RNN) or an ``Embedding``, and
+  that holds at least ``min_unit_numel`` parameter values, is a unit.
+- ``units=[...]``: module classes (``nn.TransformerEncoderLayer``, or a class name such as
+  ``"Block"``) and ``fnmatch`` patterns of module names (``"model.layers.*"``).
+
+A module that shares a parameter with a module outside it (tied input and output embeddings, as
+GPT-2 and the recipe's LSTM have) is never a unit: the tied tensor stays with the root, one
+parameter sharded once, and the tie is kept. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+@dataclass
+class ShardPolicy:
+    """Which modules are units of sharding (see the module docstring).
+
+    Args:
+        units: ``None`` (by size) or a list of module classes, class names and ``fnmatch`` patterns of
+            module names (as ``named_modules`` gives them).
+        min_unit_numel: with ``units=None``, the fewest parameter values a unit holds (default 65,536:
+            smaller modules stay with their parent, each unit is one all-gather and one reduce-scatter).
+        reshard_after_forward: free a unit's gathered parameters after its forward (``True``, FSDP2's
+            default: least memory, parameters gathered again in backward) or keep them until backward.
+    """
+
+    units: Sequence[Any] | None = None
+    min_unit_numel: int = 1 << 16
+    reshard_after_forward: bool = True
+    _classes: tuple[type, ...] = field(default=(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_unit_numel, bool) or not isinstance(self.min_unit_numel, int) or self.min_unit_numel < 1:
+            raise ValueError(f"shard_policy.min_unit_numel must be an int >= 1, got {self.min_unit_numel!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"shard_policy.reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        if self.units is not None:
+            if isinstance(self.units, (str, type)) or not isinstance(self.units, Sequence):
+                self.units = [self.units]
+            for unit in self.units:
+                if not isinstance(unit, str) and not (isinstance(unit, type) and issubclass(unit, nn.Module)):
+                    raise ValueError(
+                        f"shard_policy.units holds {unit!r}: give module classes, class names or name patterns"
+                    )
+
+    @classmethod
+    def of(cls, policy: ShardPolicy | dict[str, Any] | None) -> ShardPolicy:
+        """A policy from ``None`` (the default), a dict of its fields (a config file) or itself."""
+        if policy is None:
+            return cls()
+        if isinstance(policy, ShardPolicy):
+            return policy
+        if isinstance(policy, dict):
+            unknown = sorted(set(policy) - {"units", "min_unit_numel", "reshard_after_forward"})
+            if unknown:
+                raise ValueError(f"shard_policy got unknown setting(s) {unknown}; it takes units, min_unit_numel, reshard_after_forward")
+            return cls(**policy)
+        raise ValueError(f"shard_policy must be a ShardPolicy, a dict or None, got {type(policy).__name__}")
+
+    def is_unit(self, name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+        """Whether ``module`` (named ``name`` in the root, child of ``parent``) is a unit by this policy."""
+        if self.units is None:
+            listed = isinstance(parent, (nn.ModuleList, nn.Sequential)) or isinstance(module, nn.Embedding)
+            return listed and sum(p.numel() for p in module.parameters()) >= self.min_unit_numel
+        for unit in self.units:
+            if isinstance(unit, type):
+                if isinstance(module, unit):
+                    return True
+            elif type(module).__name__ == unit or fnmatch.fnmatchcase(name, unit):
+                return True
+        return False
+
+    def select(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The units of ``root``, innermost first (the order ``fully_shard`` wants), leaving out any
+        module whose parameters are also reachable from outside it (tied weights)."""
+        parents: dict[str, nn.Module] = {}
+        for name, module in root.named_modules():
+            for child_name, child in module.named_children():
+                parents[f"{name}.{child_name}" if name else child_name] = module
+        holders: dict[int, set[str]] = {}  # parameter id -> names of the modules that hold it directly
+        for name, module in root.named_modules(remove_duplicate=False):
+            for p in module.parameters(recurse=False):
+                holders.setdefault(id(p), set()).add(name)
+        chosen = []
+        for name, module in root.named_modules():
+            if not name or not self.is_unit(name, module, parents.get(name)):
+                continue
+            inside = {n for n, _ in module.named_modules(prefix=name, remove_duplicate=False)}
+            if any(not holders[id(p)] <= inside for p in module.parameters()):
+                continue  # tied to a module outside: the root keeps it
+            chosen.append((name, module))
+        return list(reversed(chosen))
+
+
+def apply_fsdp(module: nn.Module, mesh: Any, policy: ShardPolicy) -> list[str]:
+    """``fully_shard`` every unit of ``module`` by ``policy`` (innermost first), then ``module`` itself
+    as the root, over the 1-D ``mesh`` (the ranks of one group); the LightningModule's step methods
+    become forward methods of the root, so FSDP2 gathers and frees around them. Returns the units' names.
+    Raises ``ValueError`` when the model has no parameter to shard."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    if not any(True for _ in module.parameters()):
+        raise ValueError(f"shard='fsdp' needs a model with parameters; {type(module).__name__} has none to shard")
+    units = policy.select(module)
+    for _, unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=policy.reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=policy.reshard_after_forward)
+    for method in STEP_METHODS:
+        if callable(getattr(module, method, None)):
+            register_fsdp_forward_method(module, method)
+    return [name for name, _ in units]

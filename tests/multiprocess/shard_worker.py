@@ -1,0 +1,184 @@
+"""One rank of a sharded-run test (started by ``tests/harness.py`` with ``script=``).
+
+Usage: ``shard_worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"scenarios": {name: scenario}}``; each
+scenario trains :class:`TiedNet` (a tied input/output embedding and residual blocks) with a package
+strategy and this rank saves ``OUT_DIR/rank<r>.pt`` holding, per scenario:
+
+- ``local_numel`` / ``full_numel``: per parameter, this rank's and the whole tensor's values;
+- ``syncs``: after every outer step, ``(step, {name: this rank's part of the global model})``;
+- ``steps``: after every optimizer step, ``{name: this rank's part of the parameters}`` (``trace``);
+- ``final``: the whole parameters once fit ends (gathered inside the group when sharded);
+- ``stats``, ``memory``, ``losses``, ``tied`` (input and output embeddings are one tensor).
+
+Scenario keys: ``strategy`` (registry name), ``kwargs``, ``max_steps``, ``batch_size``, ``merge``
+(this rank trains on the batches of ranks ``merge * r .. merge * r + merge - 1`` concatenated: the
+unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optimizer`` ("sgd" or
+"adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir``, ``dims``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_commstrats  # noqa: F401  (registers the strategies)
+from lightning_commstrats.comm import destroy_process_group
+from lightning_commstrats.sharding import is_dtensor, local
+
+VOCAB, DIM, SEQ = 64, 32, 8
+
+
+class TiedNet(L.LightningModule):
+    def __init__(self, optimizer: str = "adamw", blocks: int = 2, dim: int = DIM, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([nn.Linear(dim, dim) for _ in range(blocks)])
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.optimizer = optimizer
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val/loss", nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.5)
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class RankBatches(Dataset):
+    """Batch ``i`` of global rank ``rank`` (a fixed function of both); with ``merge``, the batches of
+    ``merge`` consecutive ranks concatenated, in rank order."""
+
+    def __init__(self, rank: int, batch_size: int, steps: int, merge: int = 1, vocab: int = VOCAB) -> None:
+        self.ranks = [merge * rank + k for k in range(merge)]
+        self.batch_size, self.steps, self.vocab = batch_size, steps, vocab
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = []
+        for r in self.ranks:
+            g = torch.Generator().manual_seed(1000 * i + r)
+            xs.append(torch.randint(self.vocab, (self.batch_size, SEQ + 1), generator=g))
+        tokens = torch.cat(xs)
+        return tokens[:, :-1], (tokens[:, 1:] * 7 + 3) % self.vocab  # a learnable map of the input
+
+
+class Record(L.Callback):
+    def __init__(self, trace: bool) -> None:
+        self.trace = trace
+        self.syncs: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.steps: list[dict[str, torch.Tensor]] = []
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        strategy = trainer.strategy
+        history = getattr(strategy, "sync_history", [])
+        if len(history) > self.seen:
+            self.seen = len(history)
+            named: dict[str, torch.Tensor] = {}
+            for f in range(strategy.num_fragments):
+                named.update(strategy._named_views(f, strategy.outer.global_weights(f)))
+            self.syncs.append((strategy.optimizer_steps, {k: v.detach().cpu().clone() for k, v in named.items()}))
+        if self.trace:
+            self.steps.append({n: local(p).detach().cpu().clone() for n, p in pl_module.named_parameters()})
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if is_dtensor(t) else t).detach().cpu().clone()
+
+
+def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tuple[int, dict[str, Any]]:
+    L.seed_everything(sc.get("seed", 3), verbose=False)
+    model = TiedNet(sc.get("optimizer", "adamw"), **sc.get("dims", {}))
+    strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
+    record = Record(bool(sc.get("trace")))
+    callbacks: list[L.Callback] = [record]
+    if sc.get("ckpt_every"):
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=sc.get("ckpt_dir", out / name),
+                filename="{step}",
+                every_n_train_steps=sc["ckpt_every"],
+                save_top_k=-1,
+            )
+        )
+    steps = sc.get("max_steps", 8)
+    loader = DataLoader(
+        RankBatches(rank_hint, sc.get("batch_size", 4), steps, sc.get("merge", 1)), batch_size=None, shuffle=False
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=sc.get("devices", 4),
+        strategy=strategy,
+        max_steps=steps,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=bool(sc.get("ckpt_every")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+    )
+    ckpt_path = None
+    if sc.get("resume"):
+        source, step = sc["resume"]
+        ckpt_path = Path(sc.get("resume_dir", out / source)) / f"step={step}.ckpt"
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+    result: dict[str, Any] = {
+        "local_numel": {n: local(p).numel() for n, p in model.named_parameters()},
+        "full_numel": {n: p.numel() for n, p in model.named_parameters()},
+        "final": {n: full(p) for n, p in model.named_parameters()},
+        "syncs": record.syncs,
+        "steps": record.steps,
+        "losses": model.losses,
+        "tied": model.head.weight is model.emb.weight,
+        "stats": strategy.comm_stats.snapshot().as_dict(),
+        "memory": strategy.memory_stats(),
+        "sync_history": list(getattr(strategy, "sync_history", [])),
+        "sharded": all(is_dtensor(p) for p in model.parameters()),
+    }
+    return trainer.global_rank, result
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = Path(sys.argv[2])
+    import os
+
+    rank_hint = int(os.environ.get("LOCAL_RANK", "0"))
+    results, rank = {}, 0
+    for name, scenario in spec["scenarios"].items():
+        rank, results[name] = run_scenario(name, scenario, out, rank_hint)
+    torch.save(results, out / f"rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
