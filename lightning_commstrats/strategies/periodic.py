@@ -49,6 +49,7 @@ from lightning_commstrats.compression.sparse import check_sparse_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
 from lightning_commstrats.outer import OUTER_STATES, OuterFactory, OuterOptimizer, resolve_outer_optimizer
 from lightning_commstrats.sharding import local
+from lightning_commstrats.sharding.checkpoint import global_state_dict
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy, _to_cpu, tensors_in
 
@@ -908,6 +909,11 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
+        if self.outer is not None and self.sharding is not None:  # the global model's shards, as DTensors
+            named: dict[str, Tensor] = {}
+            for f in range(self.num_fragments):
+                named.update(self._named_views(f, self.outer.global_weights(f)))
+            return global_state_dict(state, self.lightning_module, named)
         flat = self.global_weights()
         if flat is None:
             return state

@@ -13,7 +13,8 @@ strategy and this rank saves ``OUT_DIR/rank<r>.pt`` holding, per scenario:
 Scenario keys: ``strategy`` (registry name), ``kwargs``, ``max_steps``, ``batch_size``, ``merge``
 (this rank trains on the batches of ranks ``merge * r .. merge * r + merge - 1`` concatenated: the
 unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optimizer`` ("sgd" or
-"adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir``, ``dims``.
+"adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir`` / ``resume_dir``,
+``dims``, ``epoch_steps`` (batches per epoch: a checkpoint at an epoch's end resumes on the same data).
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ class Record(L.Callback):
         self.syncs: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.steps: list[dict[str, torch.Tensor]] = []
         self.seen = 0
+        self.start: dict[str, torch.Tensor] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.start is None:  # the weights training starts from (a checkpoint restored by now)
+            self.start = {n: full(p) for n, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         strategy = trainer.strategy
@@ -128,7 +134,9 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         )
     steps = sc.get("max_steps", 8)
     loader = DataLoader(
-        RankBatches(rank_hint, sc.get("batch_size", 4), steps, sc.get("merge", 1)), batch_size=None, shuffle=False
+        RankBatches(rank_hint, sc.get("batch_size", 4), sc.get("epoch_steps", steps), sc.get("merge", 1)),
+        batch_size=None,
+        shuffle=False,
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -154,6 +162,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         "full_numel": {n: p.numel() for n, p in model.named_parameters()},
         "final": {n: full(p) for n, p in model.named_parameters()},
         "syncs": record.syncs,
+        "start": record.start,
         "steps": record.steps,
         "losses": model.losses,
         "tied": model.head.weight is model.emb.weight,

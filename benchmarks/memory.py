@@ -1,0 +1,446 @@
+"""Bytes per rank of every scheme, unsharded and sharded with FSDP2 (``shard="fsdp"``), and the largest
+model that trains under a per-rank budget either way.
+
+    python benchmarks/memory.py [--budget-mib 1024] [--out benchmarks/results/memory]
+    python benchmarks/memory.py --quick          # one small size, two schemes: a couple of minutes
+
+Four ranks on this machine (gloo on localhost, one process per rank with ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment, as ``torchrun`` starts them) train
+the recipe's Transformer LM (:class:`~lightning_commstrats.models.LanguageModel`, ``arch="transformer"``,
+tied input/output embedding, AdamW, no dropout) on **synthetic tokens**: a Zipf-distributed stream
+over a vocabulary of 8,192 words, each rank its own (sequences of 64 tokens, 4 per batch). The Brown
+corpus is not used: what is measured is bytes, and the loss only has to show the model learns.
+
+**Table 1** (sizes x schemes x layouts). For each model size (about 5M, 20M and 50M parameters) and
+each of ``allreduce``, ``model_averaging``, ``bmuf``, ``diloco``, ``streaming_diloco``
+(``num_fragments=2``) and ``sparseloco`` (their defaults otherwise: ``streaming_diloco`` sends 4-bit
+pseudo-gradients, ``sparseloco`` top-k with error feedback; the periodic schemes sync every 2
+optimizer steps, ``sync_period_unit="steps"``), 4 optimizer steps run unsharded (``shard=None``),
+sharded in one group of 4 (``shard="fsdp", group_size=4``) and in two groups of 2 (``group_size=2``).
+Rank 0 takes ``trainer.strategy.memory_stats()`` in a callback at ``on_train_batch_end`` of the last
+step, when every state is held (gradients of the step, the inner AdamW moments, the periodic schemes'
+global model, outer optimizer state and residuals): bytes by kind, counted from the tensors'
+storages (:mod:`lightning_commstrats.sharding.memory`). The ratio is the sharded total over the
+unsharded total of the same size and scheme.
+
+**Table 2** (the largest model under a budget). At a fixed width (``d_model`` 512, 8 heads, FFN 2048)
+``diloco``'s accounted bytes per rank (parameters + gradients + optimizer + scheme) are measured
+for 1 and 2 blocks, unsharded and sharded 4-way; they are linear in the number of blocks, which
+gives the most blocks whose accounted bytes fit ``--budget-mib`` per rank each way. Both models are
+then trained ``--budget-steps`` steps on 4 ranks (same data, AdamW lr 3e-3), and the table reports
+their parameters, the accounted bytes measured at the last step (must be within the budget), the
+mean loss over the ranks at the first and last step, and rank 0's peak resident set size.
+
+What this does and does not show: the budget is a budget of *accounted* state bytes, not an
+out-of-memory limit. Activations, FSDP2's gathered units during forward and backward, communication
+buffers in flight and the allocator's slack are not counted (the peak RSS column shows what the
+process really held at its peak). Each rank builds the whole model before ``fully_shard`` shards it
+(``LanguageModel`` builds it in ``__init__``), so the initialisation peak per rank is the full
+model's parameters in any layout: a model whose *full* parameters do not fit a rank cannot start
+this way unless ``configure_model`` builds it sharded (or on the meta device). On CPU every kind is
+host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VOCAB, SEQ_LEN, BATCH = 8192, 64, 4
+WORLD = 4
+KINDS = ("parameters", "gradients", "optimizer", "scheme")
+PERIOD = {"sync_period": 2, "sync_period_unit": "steps"}
+# scheme -> (registry name, arguments)
+SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "allreduce": ("allreduce", {}),
+    "model_averaging": ("model_averaging", PERIOD),
+    "bmuf": ("bmuf", PERIOD),
+    "diloco": ("diloco", PERIOD),
+    "streaming_diloco": ("streaming_diloco", {"sync_period": 2, "num_fragments": 2}),
+    "sparseloco": ("sparseloco", PERIOD),
+}
+# layout -> strategy arguments
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "unsharded": {},
+    "fsdp 1x4": {"shard": "fsdp", "group_size": 4},
+    "fsdp 2x2": {"shard": "fsdp", "group_size": 2},
+}
+# name -> d_model, blocks, heads (FFN 4 x d_model)
+SIZES: dict[str, tuple[int, int, int]] = {
+    "5M": (256, 4, 4),
+    "20M": (512, 5, 8),
+    "50M": (768, 6, 12),
+}
+BUDGET_WIDTH = (512, 8)  # d_model, heads of the budget search
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def model_args(d_model: int, blocks: int, heads: int, lr: float = 1e-3) -> dict[str, Any]:
+    return {
+        "arch": "transformer",
+        "vocab_size": VOCAB,
+        "hidden_dim": d_model,
+        "num_layers": blocks,
+        "num_heads": heads,
+        "ffn_dim": 4 * d_model,
+        "max_seq_len": SEQ_LEN,
+        "dropout": 0.0,
+        "tie_weights": True,
+        "optimizer": "adamw",
+        "lr": lr,
+    }
+
+
+def zipf_batches(rank: int, steps: int, seed: int = 0) -> list[Any]:
+    """``steps`` batches ``(inputs, targets)`` of this rank: a Zipf(1) stream over the vocabulary."""
+    import torch
+
+    g = torch.Generator().manual_seed(10_000 * seed + rank)
+    probs = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64)
+    tokens = torch.multinomial(probs / probs.sum(), steps * BATCH * (SEQ_LEN + 1), replacement=True, generator=g)
+    tokens = tokens.view(steps, BATCH, SEQ_LEN + 1)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def rss_bytes() -> tuple[int, int]:
+    """This process's resident set now and at its peak, bytes (Linux)."""
+    now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_one(run: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Train one model with one strategy on this rank; what rank ``rank`` saw."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    import lightning_commstrats  # noqa: F401  (registers the strategies)
+    from lightning_commstrats.models import LanguageModel
+
+    class Measure(L.Callback):
+        def __init__(self) -> None:
+            self.memory: dict[str, dict[str, int]] | None = None
+            self.losses: list[float] = []
+            self.rss_at_last = 0
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
+            self.losses.append(float(outputs["loss"]))
+            if trainer.global_step == trainer.max_steps:
+                self.memory = trainer.strategy.memory_stats()
+                self.rss_at_last = rss_bytes()[0]
+
+    L.seed_everything(run.get("seed", 0), verbose=False)
+    model = LanguageModel(**run["model"])
+    numel = sum(p.numel() for p in model.parameters())
+    strategy = L.pytorch.strategies.StrategyRegistry[run["strategy"]]["strategy"](**run["kwargs"])
+    measure = Measure()
+    loader = DataLoader(zipf_batches(rank, run["steps"]), batch_size=None, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=run["steps"],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[measure],
+    )
+    start = time.perf_counter()
+    trainer.fit(model, train_dataloaders=loader)
+    seconds = time.perf_counter() - start
+    if measure.memory is None:
+        raise RuntimeError(f"{run['name']}: the last step's callback did not run")
+    result = {
+        "numel": numel,
+        "memory": measure.memory,
+        "losses": measure.losses,
+        "seconds": seconds,
+        "rss_at_last": measure.rss_at_last,
+        "rss_peak": rss_bytes()[1],
+    }
+    del trainer, strategy, model
+    gc.collect()
+    return result
+
+
+def rank_main(spec_json: str, out: str) -> None:
+    import torch
+
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.set_num_threads(1)
+    results = {run["name"]: run_one(run, rank) for run in json.loads(spec_json)["runs"]}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(runs: list[dict[str, Any]], timeout: float = 1800.0) -> list[dict[str, dict[str, Any]]]:
+    """Run ``runs`` one after the other on ``WORLD`` ranks (one process each, started as ``torchrun``
+    would); every rank's results, in rank order. A rank that fails, or a launch that outlives
+    ``timeout`` seconds, stops every rank and raises with the ranks' output."""
+    out = Path(tempfile.mkdtemp(prefix="commstrats-memory-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(WORLD),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    )
+    args = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps({"runs": runs}), str(out)]
+    logs = [open(out / f"log{r}.txt", "w+") for r in range(WORLD)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            args, env={**env, "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True
+        )
+        for r in range(WORLD)
+    ]
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(2.0)  # let the others print their side of the failure
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if any(p.returncode != 0 for p in procs):
+            tails = []
+            for r, f in enumerate(logs):
+                f.seek(0)
+                tails.append(f"--- rank {r} ---\n{f.read()[-6000:]}")
+            names = ", ".join(run["name"] for run in runs)
+            raise RuntimeError(f"ranks failed or timed out running {names}:\n" + "\n".join(tails))
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        for f in logs:
+            f.close()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def run_spec(name: str, scheme: str, layout: str, model: dict[str, Any], steps: int) -> dict[str, Any]:
+    registry_name, kwargs = SCHEMES[scheme]
+    return {"name": name, "strategy": registry_name, "kwargs": {**kwargs, **LAYOUTS[layout]}, "model": model, "steps": steps}
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def total(memory: dict[str, dict[str, int]]) -> int:
+    return sum(sum(memory[k].values()) for k in KINDS)
+
+
+# ---------------------------------------------------------------- table 1
+
+
+def measure_table(
+    sizes: list[str], schemes: list[str], layouts: list[str], steps: int = 4, log: Any = print
+) -> list[dict[str, Any]]:
+    """Rank 0's bytes by kind at the last of ``steps`` steps, one row per size x scheme x layout."""
+    rows = []
+    for size in sizes:
+        d, blocks, heads = SIZES[size]
+        runs = [
+            run_spec(f"{size}|{scheme}|{layout}", scheme, layout, model_args(d, blocks, heads), steps)
+            for scheme in schemes
+            for layout in layouts
+        ]
+        start = time.perf_counter()
+        ranks = launch(runs)
+        log(f"{size}: {len(runs)} runs on {WORLD} ranks in {time.perf_counter() - start:.0f}s")
+        for run in runs:
+            _, scheme, layout = run["name"].split("|")
+            r0 = ranks[0][run["name"]]
+            rows.append(
+                {
+                    "size": size,
+                    "scheme": scheme,
+                    "layout": layout,
+                    "numel": r0["numel"],
+                    "bytes": {k: sum(r0["memory"][k].values()) for k in KINDS},
+                    "total": total(r0["memory"]),
+                    "seconds": r0["seconds"],
+                }
+            )
+    by_key = {(r["size"], r["scheme"], r["layout"]): r for r in rows}
+    for r in rows:
+        base = by_key.get((r["size"], r["scheme"], "unsharded"))
+        r["ratio"] = r["total"] / base["total"] if base else None
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | scheme | layout | parameters | gradients | optimizer | scheme state | total MiB/rank | sharded / unsharded |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        b = r["bytes"]
+        ratio = "1" if r["layout"] == "unsharded" else (f"{r['ratio']:.3f}" if r["ratio"] is not None else "-")
+        lines.append(
+            f"| {r['size']} ({r['numel'] / 1e6:.1f}M) | {r['scheme']} | {r['layout']} | "
+            + " | ".join(mib(b[k]) for k in KINDS)
+            + f" | {mib(r['total'])} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- table 2
+
+
+def largest_under_budget(budget: int, steps: int, log: Any = print) -> dict[str, Any]:
+    """The most blocks (at ``BUDGET_WIDTH``) whose accounted diloco bytes per rank fit ``budget``,
+    unsharded and sharded 4-way, found from measurements at 1 and 2 blocks; then both trained."""
+    d, heads = BUDGET_WIDTH
+    layouts = {"unsharded": "unsharded", "sharded 4-way": "fsdp 1x4"}
+    probes = [
+        run_spec(f"probe|{label}|{blocks}", "diloco", layout, model_args(d, blocks, heads), 4)
+        for label, layout in layouts.items()
+        for blocks in (1, 2)
+    ]
+    start = time.perf_counter()
+    measured = launch(probes)[0]
+    log(f"budget probes: {len(probes)} runs in {time.perf_counter() - start:.0f}s")
+    chosen: dict[str, dict[str, Any]] = {}
+    for label in layouts:
+        one = total(measured[f"probe|{label}|1"]["memory"])
+        two = total(measured[f"probe|{label}|2"]["memory"])
+        per_block, base = two - one, 2 * one - two
+        blocks = (budget - base) // per_block
+        if blocks < 1:
+            raise ValueError(f"a budget of {mib(budget)} MiB fits no block at d_model {d} ({label})")
+        chosen[label] = {"blocks": int(blocks), "base": base, "per_block": per_block, "predicted": base + blocks * per_block}
+    result: dict[str, Any] = {"budget": budget, "d_model": d, "layouts": {}}
+    for label, layout in layouts.items():
+        c = chosen[label]
+        run = run_spec(f"budget|{label}", "diloco", layout, model_args(d, c["blocks"], heads, lr=3e-3), steps)
+        start = time.perf_counter()
+        ranks = launch([run])
+        wall = time.perf_counter() - start
+        log(f"budget {label}: {c['blocks']} blocks, {steps} steps in {wall:.0f}s")
+        per_rank = [r[run["name"]] for r in ranks]
+        losses = [sum(r["losses"][i] for r in per_rank) / WORLD for i in range(len(per_rank[0]["losses"]))]
+        r0 = per_rank[0]
+        result["layouts"][label] = {
+            **c,
+            "numel": r0["numel"],
+            "bytes": {k: sum(r0["memory"][k].values()) for k in KINDS},
+            "total": total(r0["memory"]),
+            "losses": losses,
+            "rss_peak": max(r["rss_peak"] for r in per_rank),
+            "rss_at_last": r0["rss_at_last"],
+            "seconds": r0["seconds"],
+        }
+    u, s = result["layouts"]["unsharded"], result["layouts"]["sharded 4-way"]
+    result["numel_ratio"] = s["numel"] / u["numel"]
+    return result
+
+
+def format_budget(result: dict[str, Any]) -> str:
+    lines = [
+        f"Budget {mib(result['budget'])} MiB of accounted state per rank (diloco, d_model {result['d_model']}):",
+        "",
+        "| layout | blocks | parameters | params / grads / optim / scheme MiB | accounted MiB/rank"
+        " | loss first -> last | peak RSS MiB (max over ranks) | fit s |",
+        "|---|--:|--:|---|--:|---|--:|--:|",
+    ]
+    for label, r in result["layouts"].items():
+        b = r["bytes"]
+        lines.append(
+            f"| {label} | {r['blocks']} | {r['numel'] / 1e6:.1f}M | "
+            + " / ".join(mib(b[k]) for k in KINDS)
+            + f" | {mib(r['total'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} ({len(r['losses'])} steps)"
+            f" | {mib(r['rss_peak'])} | {r['seconds']:.0f} |"
+        )
+    u, s = result["layouts"]["unsharded"], result["layouts"]["sharded 4-way"]
+    lines += [
+        "",
+        f"Largest model: sharded / unsharded parameters = {result['numel_ratio']:.2f}x"
+        f" ({s['numel'] / 1e6:.1f}M / {u['numel'] / 1e6:.1f}M). Accounted bytes per block:"
+        f" {mib(u['per_block'])} MiB unsharded, {mib(s['per_block'])} MiB sharded"
+        f" ({s['per_block'] / u['per_block']:.3f}x); the rest (embeddings, final norm):"
+        f" {mib(u['base'])} / {mib(s['base'])} MiB.",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run of table 1")
+    parser.add_argument("--budget-mib", type=float, default=1024, help="accounted state bytes per rank, MiB")
+    parser.add_argument("--budget-steps", type=int, default=10, help="steps the two largest models train")
+    parser.add_argument("--no-budget", action="store_true", help="table 1 only")
+    parser.add_argument("--quick", action="store_true", help="5M only, allreduce and diloco, budget 128 MiB")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory"))
+    parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        rank_main(*args.rank)
+        return
+    if args.quick:
+        args.sizes, args.schemes, args.budget_mib = ["5M"], ["allreduce", "diloco"], 128.0
+        if args.out == parser.get_default("out"):
+            args.out = str(Path(args.out) / "quick")
+    start = time.perf_counter()
+    rows = measure_table(args.sizes, args.schemes, args.layouts, args.steps)
+    text = format_table(rows)
+    budget = None
+    if not args.no_budget:
+        budget = largest_under_budget(int(args.budget_mib * 2**20), args.budget_steps)
+        text += "\n\n" + format_budget(budget)
+    wall = time.perf_counter() - start
+    text += f"\n\nWall time: {wall:.0f}s."
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({"rows": rows, "budget": budget, "wall_seconds": wall}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

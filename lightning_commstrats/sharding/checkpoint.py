@@ -1,0 +1,310 @@
+"""Sharded checkpoints: the whole Lightning checkpoint of a ``shard="fsdp"`` run through
+``torch.distributed.checkpoint`` (DCP), resumed bit for bit or onto another layout.
+
+A checkpoint is a directory: DCP's files (every rank writes its own shards, each tensor once) and
+``meta.pt``, written by rank 0 after every rank's data is down, which makes the directory complete.
+What goes where:
+
+- *shared* (the same on every group; DCP keeps one copy): the model (for the periodic schemes the
+  global model), and the scheme's shared state (the global model of each fragment, the outer
+  optimizer's state, an exchange in flight). Tensors that are flat vectors of a fragment's local
+  shards are cut back into one DTensor per parameter, so that DCP can re-split them over another
+  ``group_size`` or number of groups.
+- *per group* (keys ``g<k>/...``): the inner optimizers, each rank's local weights of a periodic
+  scheme, error-feedback residuals shaped like a parameter's shard: per-parameter DTensors too. On
+  another number of groups, group ``k`` resumes from old group ``k mod G_old``'s.
+- *per rank* (keys ``r<k>/...``): what only this rank's place in the layout gives a meaning to (the
+  stripes of a two-stage aggregation's second residual, a slow hop's residuals). Restored on the
+  same layout; on another one the scheme's ``resharded_rank_state`` rule applies (they restart).
+- everything else (counters, loops, callbacks, hyperparameters, 0-d tensors) is pickled in ``meta.pt``.
+
+No Lightning here: the strategy hands in the checkpoint dict and gets one back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_commstrats.sharding.layout import is_dtensor, local
+
+META = "meta.pt"
+_PH = "__commstrats_dcp__"  # marks a placeholder in a skeleton
+
+
+def _dtensor_like(shard: Tensor, param: Tensor) -> Tensor:
+    """``shard`` (this rank's part, shaped like ``param``'s local shard) as a DTensor sharded as ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        shard.detach().reshape(local(param).shape).contiguous(),
+        device_mesh=param.device_mesh,
+        placements=param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+        run_check=False,
+    )
+
+
+class _Encoder:
+    """Turns a nested state into a skeleton (placeholders for tensors) and the DCP items to write."""
+
+    def __init__(self, params: dict[str, Tensor], group: int, rank: int) -> None:
+        self.params, self.group, self.rank = params, group, rank
+        self.items: dict[str, Tensor] = {}
+
+    def put(self, key: str, tensor: Tensor, kind: str, wrapped: bool = False) -> dict[str, Any]:
+        """``kind``: ``"shared"``/``"group"`` (a DTensor; ``wrapped``: made here from a local shard,
+        handed back as one), ``"plain"`` (a tensor every rank holds alike) or ``"rank"`` (this rank's)."""
+        self.items[key] = tensor
+        like = None
+        if kind in ("shared", "group"):  # a DTensor: the parameter whose sharding a template copies on load
+            like = next((n for n, p in self.params.items() if p.shape == tensor.shape), None)
+        return {
+            _PH: kind,
+            "key": key,
+            "like": like,
+            "wrapped": wrapped,
+            "shape": tuple(tensor.shape),
+            "dtype": tensor.dtype,
+        }
+
+    def split(self, key: str, flat: Tensor, names: list[str], scope: str) -> dict[str, Any]:
+        """A flat vector of the local shards of ``names`` (in order): one DTensor per parameter."""
+        out, offset = {}, 0
+        for name in names:
+            p = self.params[name]
+            n = local(p).numel()
+            out[name] = self.put(f"{key}/{name}", _dtensor_like(flat[offset : offset + n], p), scope, wrapped=True)
+            offset += n
+        return {_PH: "split", "parts": out, "dtype": flat.dtype}
+
+    def encode(
+        self,
+        obj: Any,
+        key: str,
+        scope: str,
+        fragments: Callable[[tuple], list[str] | None],
+        path: tuple = (),
+        plain: bool = False,
+    ) -> Any:
+        """``scope``: ``"shared"`` or ``"group"``; ``plain``: tensors that are neither DTensors nor
+        shards are the same on every rank (the model's buffers), not this rank's own."""
+        prefix = "s" if scope == "shared" else f"g{self.group}"
+        if isinstance(obj, Tensor):
+            if is_dtensor(obj):
+                return self.put(f"{prefix}/{key}", obj, "shared" if scope == "shared" else "group")
+            if obj.dim() == 0:
+                return obj.detach().cpu().clone()
+            names = fragments(path)
+            if names is not None:
+                return self.split(f"{prefix}/{key}", obj, names, "shared" if scope == "shared" else "group")
+            name = path[-1] if path else None
+            if plain:
+                return self.put(f"{prefix}/{key}", obj.detach().contiguous(), "plain")
+            p = self.params.get(name) if isinstance(name, str) else None
+            if p is not None and obj.shape == local(p).shape:  # a parameter's shard (a residual)
+                return self.put(f"{prefix}/{key}", _dtensor_like(obj, p), scope, wrapped=True)
+            return self.put(f"r{self.rank}/{key}", obj.detach().contiguous(), "rank")
+        if isinstance(obj, dict):
+            return {k: self.encode(v, f"{key}/{k}", scope, fragments, (*path, k), plain) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            out = [self.encode(v, f"{key}/{i}", scope, fragments, (*path, i), plain) for i, v in enumerate(obj)]
+            return out if isinstance(obj, list) else tuple(out)
+        return obj
+
+
+def _placeholders(skeleton: Any) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+
+    def visit(o: Any) -> None:
+        if isinstance(o, dict):
+            if o.get(_PH) == "split":
+                visit(o["parts"])
+            elif _PH in o:
+                found.append(o)
+            else:
+                for v in o.values():
+                    visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+
+    visit(skeleton)
+    return found
+
+
+def _decode(skeleton: Any, loaded: dict[str, Tensor], device: torch.device) -> Any:
+    if isinstance(skeleton, dict):
+        kind = skeleton.get(_PH)
+        if kind == "split":
+            parts = [_decode(v, loaded, device) for v in skeleton["parts"].values()]
+            if any(p is None for p in parts):
+                return None
+            return torch.cat([local(p).reshape(-1) for p in parts]).to(skeleton["dtype"]) if parts else None
+        if kind is not None:
+            t = loaded.get(skeleton["key"])
+            if t is None:
+                return None
+            if kind in ("rank", "plain"):
+                return t.to(device)
+            return local(t) if skeleton["wrapped"] else t
+        return {k: _decode(v, loaded, device) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_decode(v, loaded, device) for v in skeleton]
+    if isinstance(skeleton, tuple):
+        return tuple(_decode(v, loaded, device) for v in skeleton)
+    return skeleton
+
+
+def periodic_fragments(strategy: Any, state: dict[str, Any]) -> Callable[[tuple], list[str] | None]:
+    """Which flat tensors of a periodic scheme's state are fragments of local shards (and of which
+    parameters): the global model and outer optimizer state per fragment, the exchange in flight,
+    each rank's local weights and the launched weights of an overlapped exchange."""
+    if not hasattr(strategy, "fragment_params"):
+        return lambda path: None
+    by_name = dict(strategy.lightning_module.named_parameters())
+    inflight = state.get("inflight") or {}
+
+    def names_of(fragment: int | None) -> list[str]:
+        params = strategy.params if fragment is None else strategy.fragment_params(fragment)
+        return [strategy.param_name(p) for p in params]
+
+    def fragments(path: tuple) -> list[str] | None:
+        if path[:2] == ("outer", "weights") and len(path) == 3:
+            return names_of(path[2])
+        if path[:3] == ("outer", "optimizer", "state") and len(path) == 5:
+            names = names_of(path[3])
+            size = sum(local(by_name[n]).numel() for n in names)
+            return names if size and _numel_at(state, path) == size else None
+        if path == ("inflight", "grad"):
+            return names_of(inflight["fragment"])
+        if path == ("weights",):
+            return names_of(None)
+        if path == ("launched",) and inflight:
+            return names_of(inflight["fragment"])
+        return None
+
+    return fragments
+
+
+def _numel_at(obj: Any, path: tuple) -> int:
+    for k in path:
+        obj = obj[k]
+    return obj.numel() if isinstance(obj, Tensor) else -1
+
+
+def save(
+    path: str,
+    checkpoint: dict[str, Any],
+    scheme: dict[str, Any],
+    *,
+    module: nn.Module,
+    comm: Any,
+    group: int,
+    group_size: int,
+    fragments: Callable[[tuple], list[str] | None],
+) -> None:
+    """Collective. Write the Lightning ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` of
+    DTensors) and the ``scheme`` entry (``state``: shared, ``rank``: this rank's) to the directory ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    params = dict(module.named_parameters())
+    enc = _Encoder(params, group, comm.rank)
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    model = enc.encode(checkpoint.get("state_dict", {}), "model", "shared", lambda p: None, plain=True)
+    optimizers = enc.encode(checkpoint.get("optimizer_states", []), "optimizers", "group", lambda p: None)
+    state = enc.encode(scheme["state"], "scheme", "shared", fragments)
+    rank = enc.encode(scheme["rank"], "scheme_rank", "group", fragments)
+    if comm.rank == 0 and os.path.isdir(path):
+        shutil.rmtree(path)  # an older checkpoint under this name: its files would mix with these
+    comm.barrier()
+    dcp.save(enc.items, checkpoint_id=path)
+    skeletons = comm.all_gather_object({"optimizers": optimizers, "rank": rank})
+    if comm.rank == 0:
+        meta = {
+            "checkpoint": rest,
+            "model": model,
+            "state": state,
+            "strategy": scheme["strategy"],
+            "world_size": comm.world_size,
+            "group_size": group_size,
+            "ranks": skeletons,
+        }
+        tmp = os.path.join(path, f"{META}.tmp")
+        torch.save(meta, tmp)
+        os.replace(tmp, os.path.join(path, META))  # the checkpoint exists from here
+    comm.barrier()
+
+
+def load(
+    path: str, *, module: nn.Module, comm: Any, group_size: int, device: torch.device
+) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Collective. Read the checkpoint directory ``path``: the model and inner optimizers as Lightning
+    loads them (in ``state_dict`` / ``optimizer_states``, DTensors on this layout), the scheme's
+    entry (``state``, ``rank``, ``world_size``), and whether the layout (ranks and group size) is
+    the one it was saved with. On another layout the per-rank tensors are left out (``None``)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta_path = os.path.join(path, META)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(
+            f"{path} is not a complete sharded checkpoint (no {META}): it was not written by a shard='fsdp' run,"
+            " or its writing stopped before the end"
+        )
+    meta = torch.load(meta_path, weights_only=False)
+    same = meta["world_size"] == comm.world_size and meta["group_size"] == group_size
+    old_groups = meta["world_size"] // meta["group_size"]
+    group = comm.rank // group_size
+    source = comm.rank if same else (group % old_groups) * meta["group_size"]
+    mine = meta["ranks"][source]
+    params = dict(module.named_parameters())
+    wanted: dict[str, Tensor] = {}
+    for ph in _placeholders([meta["model"], meta["state"], mine]):
+        if ph[_PH] in ("rank", "plain"):
+            if same or ph[_PH] == "plain":
+                wanted[ph["key"]] = torch.empty(ph["shape"], dtype=ph["dtype"])
+            continue
+        like = params.get(ph["like"]) if ph["like"] is not None else None
+        if like is None:
+            raise ValueError(f"{path}: {ph['key']} of shape {ph['shape']} matches no parameter of this model")
+        wanted[ph["key"]] = torch.zeros_like(like, dtype=ph["dtype"])
+    dcp.load(wanted, checkpoint_id=path)
+    checkpoint = dict(meta["checkpoint"])
+    checkpoint["state_dict"] = _decode(meta["model"], wanted, device)
+    checkpoint["optimizer_states"] = _decode(mine["optimizers"], wanted, device)
+    scheme = {
+        "strategy": meta["strategy"],
+        "world_size": meta["world_size"],
+        "state": _decode(meta["state"], wanted, device),
+        "rank": _decode(mine["rank"], wanted, device),
+        "group_size": meta["group_size"],
+    }
+    return checkpoint, scheme, same
+
+
+def global_state_dict(state: dict[str, Any], module: nn.Module, global_shards: dict[str, Tensor]) -> dict[str, Any]:
+    """``state`` (a module state dict of DTensors) with every parameter, under each of its names (tied
+    ones too), replaced by the DTensor of its ``global_shards`` entry (this rank's part of the global model)."""
+    slices = {}
+    for name, p in module.named_parameters():
+        slices[(local(p).data_ptr(), p.shape)] = _dtensor_like(global_shards[name], p)
+    out = dict(state)
+    for key, value in state.items():
+        if is_dtensor(value):
+            match = slices.get((local(value).data_ptr(), value.shape))
+            if match is not None:
+                out[key] = match.to(value.dtype)
+    return out
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
