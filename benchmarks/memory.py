@@ -126,7 +126,6 @@ def rss_bytes() -> tuple[int, int]:
 def run_one(run: dict[str, Any], rank: int) -> dict[str, Any]:
     """Train one model with one strategy on this rank; what rank ``rank`` saw."""
     import lightning as L
-    import torch
     from torch.utils.data import DataLoader
 
     import lightning_commstrats  # noqa: F401  (registers the strategies)
@@ -219,7 +218,7 @@ def launch(runs: list[dict[str, Any]], timeout: float = 1800.0) -> list[dict[str
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
     args = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps({"runs": runs}), str(out)]
-    logs = [open(out / f"log{r}.txt", "w+") for r in range(WORLD)]  # noqa: SIM115
+    logs = [open(out / f"log{r}.txt", "w+") for r in range(WORLD)]
     procs = [
         subprocess.Popen(
             args, env={**env, "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True
@@ -327,6 +326,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------- table 2
 
 
+def blocks_within(budget: int, one: int, two: int) -> dict[str, int]:
+    """The most blocks whose accounted bytes fit ``budget``, from the bytes measured with one block
+    (``one``) and two (``two``): linear in the blocks, ``base + blocks * per_block``."""
+    per_block, base = two - one, 2 * one - two
+    if per_block <= 0:
+        raise ValueError(f"a second block added {per_block} bytes; the accounting should grow with the model")
+    blocks = (budget - base) // per_block
+    if blocks < 1:
+        raise ValueError(f"a budget of {mib(budget)} MiB fits no block (one block takes {mib(one)} MiB)")
+    return {"blocks": blocks, "base": base, "per_block": per_block, "predicted": base + blocks * per_block}
+
+
 def largest_under_budget(budget: int, steps: int, log: Any = print) -> dict[str, Any]:
     """The most blocks (at ``BUDGET_WIDTH``) whose accounted diloco bytes per rank fit ``budget``,
     unsharded and sharded 4-way, found from measurements at 1 and 2 blocks; then both trained."""
@@ -340,15 +351,12 @@ def largest_under_budget(budget: int, steps: int, log: Any = print) -> dict[str,
     start = time.perf_counter()
     measured = launch(probes)[0]
     log(f"budget probes: {len(probes)} runs in {time.perf_counter() - start:.0f}s")
-    chosen: dict[str, dict[str, Any]] = {}
-    for label in layouts:
-        one = total(measured[f"probe|{label}|1"]["memory"])
-        two = total(measured[f"probe|{label}|2"]["memory"])
-        per_block, base = two - one, 2 * one - two
-        blocks = (budget - base) // per_block
-        if blocks < 1:
-            raise ValueError(f"a budget of {mib(budget)} MiB fits no block at d_model {d} ({label})")
-        chosen[label] = {"blocks": int(blocks), "base": base, "per_block": per_block, "predicted": base + blocks * per_block}
+    chosen = {
+        label: blocks_within(
+            budget, total(measured[f"probe|{label}|1"]["memory"]), total(measured[f"probe|{label}|2"]["memory"])
+        )
+        for label in layouts
+    }
     result: dict[str, Any] = {"budget": budget, "d_model": d, "layouts": {}}
     for label, layout in layouts.items():
         c = chosen[label]

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_commstrats.comm import CommSnapshot, CommStats, delta
+from lightning_commstrats.sharding import format_memory
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,10 @@ class CommStatsMonitor(Callback):
             snapshot = self._stats.snapshot()
             figures = snapshot.as_dict()
             summary = format_summary(snapshot)
+            memory = getattr(trainer.strategy, "memory_stats", None)
+            if memory is not None:  # what this rank holds, by kind, from the tensors' storages
+                figures["memory"] = memory()
+                summary += f"\n[memory] rank {trainer.global_rank}: {format_memory(figures['memory'])}"
         if self.summary_at_end:
             rank_zero_info(summary)
         if self.save_dir is not None:

@@ -48,12 +48,14 @@ def check_shard(shard: Any, owner: str, supported: bool, backend: str = "auto") 
         raise ValueError(f"shard={shard!r} is not supported; choose one of {SHARD_MODES}")
     if shard is None:
         return
-    if backend == "mpi":
-        raise ValueError(f"shard={shard!r} needs torch.distributed (FSDP2); backend='mpi' cannot carry it: use gloo or nccl")
     if not supported:
         raise ValueError(
             f"{owner} cannot honour shard={shard!r}: sharding with FSDP2 is supported by allreduce, onebit_sgd and"
             " the periodic schemes (model_averaging, bmuf, diloco, streaming_diloco, sparseloco)"
+        )
+    if backend == "mpi":
+        raise ValueError(
+            f"shard={shard!r} needs torch.distributed (FSDP2); backend='mpi' cannot carry it: use gloo or nccl"
         )
     if not fsdp_available():
         raise ValueError(
@@ -113,9 +115,7 @@ class Sharding:
         size = devices_per_node if self.group_size == "node" else int(self.group_size)
         _, across = group_layout(comm.world_size, size)  # raises when the size does not divide the world
         self.num_groups, self.group, self.index = comm.world_size // size, comm.rank // size, comm.rank % size
-        self.mesh = init_device_mesh(
-            device.type, (self.num_groups, size), mesh_dim_names=("replicate", "shard")
-        )
+        self.mesh = init_device_mesh(device.type, (self.num_groups, size), mesh_dim_names=("replicate", "shard"))
         self._across = across
         self.cross = comm.new_subgroups(across) if self.num_groups > 1 else _single(comm)
 

@@ -50,7 +50,10 @@ def memory_by_kind(
     params = list(module.parameters())
     count("parameters", [*params, *module.buffers()])
     count("gradients", [p.grad for p in params])
-    count("optimizer", [v for opt in optimizers for state in opt.state.values() for v in state.values() if isinstance(v, Tensor)])
+    count(
+        "optimizer",
+        [v for opt in optimizers for state in opt.state.values() for v in state.values() if isinstance(v, Tensor)],
+    )
     count("scheme", scheme)
     return out
 

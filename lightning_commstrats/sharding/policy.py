@@ -50,7 +50,9 @@ class ShardPolicy:
         if isinstance(self.min_unit_numel, bool) or not isinstance(self.min_unit_numel, int) or self.min_unit_numel < 1:
             raise ValueError(f"shard_policy.min_unit_numel must be an int >= 1, got {self.min_unit_numel!r}")
         if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"shard_policy.reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+            raise ValueError(
+                f"shard_policy.reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"
+            )
         if self.units is not None:
             if isinstance(self.units, (str, type)) or not isinstance(self.units, Sequence):
                 self.units = [self.units]
@@ -70,7 +72,9 @@ class ShardPolicy:
         if isinstance(policy, dict):
             unknown = sorted(set(policy) - {"units", "min_unit_numel", "reshard_after_forward"})
             if unknown:
-                raise ValueError(f"shard_policy got unknown setting(s) {unknown}; it takes units, min_unit_numel, reshard_after_forward")
+                raise ValueError(
+                    f"shard_policy got unknown setting(s) {unknown}; it takes units, min_unit_numel, reshard_after_forward"
+                )
             return cls(**policy)
         raise ValueError(f"shard_policy must be a ShardPolicy, a dict or None, got {type(policy).__name__}")
 

@@ -323,7 +323,9 @@ class PeriodicSyncStrategy(CommStrategy):
             comm = self.replica_comm
             if self.fragment_sync_delay:
                 host = self.root_device.type == "cuda"
-                comm = self.sharding.cross_channel(self.comm, host=host) if self.sharding else self._background_channel()
+                comm = (
+                    self.sharding.cross_channel(self.comm, host=host) if self.sharding else self._background_channel()
+                )
             self._exchange = self._make_exchange(comm)
         return self._exchange
 

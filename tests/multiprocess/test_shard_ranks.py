@@ -34,7 +34,10 @@ PERIODIC = {  # fp32 exchanges: the sharded run is the unsharded one up to the o
 COMPRESSED = {
     "diloco_4bit": ("diloco", {"pseudo_grad_bits": 4, "small_tensor_numel": 0}),
     "streaming_4bit": ("streaming_diloco", {**STREAM, "small_tensor_numel": 0}),
-    "sparseloco": ("sparseloco", {"topk_chunk": 32, "topk_per_chunk": 8, "fragment_sync_delay": 0, "small_tensor_numel": 0}),
+    "sparseloco": (
+        "sparseloco",
+        {"topk_chunk": 32, "topk_per_chunk": 8, "fragment_sync_delay": 0, "small_tensor_numel": 0},
+    ),
 }
 ATOL = 1e-5
 BIN = 0.1
@@ -134,7 +137,9 @@ def test_checkpoint_mid_block_resumes_bit_for_bit_and_onto_other_layouts():
     # the global model saved at step 4 is the one of the sync at step 3
     step, saved = same[0]["straight"]["syncs"][0]
     assert step == 3
-    global_at_3 = {n: _whole([same[0]["straight"]["syncs"][0][1][n], same[1]["straight"]["syncs"][0][1][n]]) for n in saved}
+    global_at_3 = {
+        n: _whole([same[0]["straight"]["syncs"][0][1][n], same[1]["straight"]["syncs"][0][1][n]]) for n in saved
+    }
     for group_size, shards in ((4, 4), (1, 1)):  # 1 group x 4 shards, 4 groups x 1
         other = {**kw, "group_size": group_size, "resume_mismatch": "reshard"}
         res = run_ranks(

@@ -1,0 +1,112 @@
+"""The sharding component alone: construction-time errors, the shard policy's units (tied weights
+stay with the root), memory accounting from storages, the outer state's placement."""
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_commstrats as lc
+from lightning_commstrats.comm.base import LocalCommunicator
+from lightning_commstrats.outer import OuterOptimizer, resolve_outer_optimizer
+from lightning_commstrats.sharding import Sharding, ShardPolicy, apply_fsdp, memory_by_kind
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lc.SampledVocabStrategy, lc.ParameterServerStrategy, lc.LocalSGDStrategy],
+    ids=["sampled_vocab", "parameter_server", "local_sgd"],
+)
+def test_schemes_that_cannot_shard_refuse_it_by_name(make):
+    with pytest.raises(ValueError, match=r"cannot honour shard='fsdp'.*allreduce, onebit_sgd"):
+        make(shard="fsdp")
+
+
+def test_expert_parallel_refuses_shard():
+    with pytest.raises(ValueError, match="cannot honour shard='fsdp'"):
+        lc.ExpertParallelStrategy(shard="fsdp")
+
+
+def test_bad_shard_settings_fail_at_construction():
+    with pytest.raises(ValueError, match=r"shard='zero' is not supported; choose one of \(None, 'fsdp'\)"):
+        lc.DiLoCoStrategy(sync_period=4, shard="zero")
+    with pytest.raises(ValueError, match="backend='mpi' cannot carry it"):
+        lc.AllReduceStrategy(shard="fsdp", backend="mpi")
+    with pytest.raises(ValueError, match="fault_tolerance with shard='fsdp' is not supported"):
+        lc.DiLoCoStrategy(
+            sync_period=4,
+            sync_period_unit="steps",
+            shard="fsdp",
+            fault_tolerance={"min_replicas": 1, "lighthouse": "http://127.0.0.1:1", "replica_id": "r0"},
+        )
+    with pytest.raises(ValueError, match="weighting='samples' is not supported with shard='fsdp'"):
+        lc.ModelAveragingStrategy(shard="fsdp", weighting="samples")
+    with pytest.raises(ValueError, match=r"outer_state='gpu' is not supported; choose one of \('host', 'device'\)"):
+        lc.DiLoCoStrategy(sync_period=4, outer_state="gpu")
+    with pytest.raises(ValueError, match="shard_policy got unknown setting"):
+        lc.DiLoCoStrategy(sync_period=4, shard="fsdp", shard_policy={"unit": ["Block"]})
+    with pytest.raises(ValueError, match="min_unit_numel must be an int >= 1"):
+        ShardPolicy(min_unit_numel=0)
+    with pytest.raises(ValueError, match="module classes, class names or name patterns"):
+        ShardPolicy(units=[3])
+    # accepted: the default group (a node), a policy as a dict
+    s = lc.DiLoCoStrategy(sync_period=4, shard="fsdp", shard_policy={"units": ["Linear"]})
+    assert s.sharding is not None and s.sharding.group_size == "node"
+
+
+def test_group_size_must_divide_the_world():
+    class Four(LocalCommunicator):
+        def __init__(self):
+            super().__init__()
+            self.world_size = 4
+
+    with pytest.raises(ValueError, match="group_size=3 must divide the number of ranks, 4"):
+        Sharding(3).connect(Four(), 4, torch.device("cpu"))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(300, 256)
+        self.blocks = nn.ModuleList([nn.Linear(256, 256) for _ in range(2)])
+        self.small = nn.ModuleList([nn.Linear(4, 4)])
+        self.head = nn.Linear(256, 300, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_policy_by_size_keeps_tied_weights_with_the_root():
+    names = [n for n, _ in ShardPolicy().select(Tied())]
+    assert names == ["blocks.1", "blocks.0"]  # innermost/last first; emb is tied to head; small is small
+    assert [n for n, _ in ShardPolicy(units=["blocks.*"]).select(Tied())] == ["blocks.1", "blocks.0"]
+    assert [n for n, _ in ShardPolicy(units=[nn.Linear]).select(Tied())] == ["small.0", "blocks.1", "blocks.0"]
+
+
+def test_a_model_with_nothing_to_shard_is_refused():
+    with pytest.raises(ValueError, match="needs a model with parameters"):
+        apply_fsdp(nn.ReLU(), None, ShardPolicy())
+
+
+def test_memory_counts_each_storage_once_by_kind():
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    view = model.blocks[0].weight.detach()[:3]  # a view of a parameter: its storage is counted already
+    extra = torch.zeros(10)
+    report = memory_by_kind(model, [opt], [view, extra, extra])
+    params = sum(p.numel() * 4 for p in model.parameters())  # the tied matrix once
+    assert report["parameters"] == {"cpu": params}
+    assert report["gradients"] == {"cpu": params}
+    # exp_avg and exp_avg_sq per parameter, and a 0-d float32 step each (4 bytes)
+    assert report["optimizer"] == {"cpu": 2 * params + 4 * len(list(model.parameters()))}
+    assert report["scheme"] == {"cpu": 40}
+
+
+def test_outer_state_on_the_host_of_a_cpu_run_is_the_same_memory():
+    factory = resolve_outer_optimizer("torch.optim.SGD", 0.7, 0.9, None)
+    for placement in ("host", "device"):
+        outer = OuterOptimizer(factory, torch.device("cpu"), placement)
+        outer.start([torch.arange(4.0)])
+        assert outer.weights[0].device.type == "cpu" and not outer.weights[0].is_pinned()
+        outer.step(0, torch.ones(4))
+        assert outer.start_point(0).device.type == "cpu"
