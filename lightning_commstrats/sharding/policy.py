@@ -73,7 +73,8 @@ class ShardPolicy:
             unknown = sorted(set(policy) - {"units", "min_unit_numel", "reshard_after_forward"})
             if unknown:
                 raise ValueError(
-                    f"shard_policy got unknown setting(s) {unknown}; it takes units, min_unit_numel, reshard_after_forward"
+                    f"shard_policy got unknown setting(s) {unknown};"
+                    " it takes units, min_unit_numel, reshard_after_forward"
                 )
             return cls(**policy)
         raise ValueError(f"shard_policy must be a ShardPolicy, a dict or None, got {type(policy).__name__}")
@@ -96,7 +97,7 @@ class ShardPolicy:
         module whose parameters are also reachable from outside it (tied weights)."""
         parents: dict[str, nn.Module] = {}
         for name, module in root.named_modules():
-            for child_name, child in module.named_children():
+            for child_name, _ in module.named_children():
                 parents[f"{name}.{child_name}" if name else child_name] = module
         holders: dict[int, set[str]] = {}  # parameter id -> names of the modules that hold it directly
         for name, module in root.named_modules(remove_duplicate=False):
