@@ -9,7 +9,7 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' '
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all smoke-lowest lint format docs bench bench-quick clean
+.PHONY: install demo test test-all smoke-lowest lint format docs bench bench-quick clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: install
 test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+# On a machine with a CUDA GPU (and a CUDA build of torch: TORCH=...): every test marked cuda (one
+# GPU, NCCL ranks on it). Skipped tests mean no GPU was found.
+gpu-check: install
+	$(PY) -m pytest -m cuda tests/cuda -v -rs $(PYTEST_ARGS)
 
 # The lowest supported Lightning (pyproject's bound), without the [mpi] extra, in its own virtual
 # environment: a short subset of the suite (CI runs it after `make test`; a few minutes).
