@@ -479,6 +479,13 @@ class CommStrategy(RankDevices, ParallelStrategy):
             return self.sharding.cross
         return self.comm
 
+    @property
+    def num_models(self) -> int:
+        """The models the scheme averages: every rank's, or with ``shard="fsdp"`` every group's."""
+        if self.sharding is not None and self.sharding.mesh is not None:
+            return self.sharding.num_groups
+        return self.world_size
+
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds now, by kind (``parameters``, ``gradients``, ``optimizer``, ``scheme``)
         and device (``"cpu"``, ``"cuda:0"``...), counted from the tensors' storages, each storage once

@@ -178,7 +178,7 @@ class BMUFStrategy(PeriodicSyncStrategy):
             return self._block_momentum
         if self._time_constant is not None:
             return block_momentum_from_time_constant(self._time_constant, self._period_of_time_constant)
-        return 1.0 - 1.0 / self.replica_comm.world_size  # the models averaged: groups when sharded
+        return 1.0 - 1.0 / self.num_models
 
     @property
     def time_constant(self) -> float:
@@ -191,7 +191,7 @@ class BMUFStrategy(PeriodicSyncStrategy):
     def outer_factory(self) -> OuterFactory:
         momentum, lr, nesterov = self.block_momentum, self.block_learning_rate, self.use_nesterov_momentum
         if self.variant == "cntk":
-            workers = self.replica_comm.world_size
+            workers = self.num_models
             return lambda params: CNTKBlockMomentum(
                 params, lr=lr, momentum=momentum, nesterov=nesterov, workers=workers
             )
