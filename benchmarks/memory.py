@@ -257,7 +257,13 @@ def launch(runs: list[dict[str, Any]], timeout: float = 1800.0) -> list[dict[str
 
 def run_spec(name: str, scheme: str, layout: str, model: dict[str, Any], steps: int) -> dict[str, Any]:
     registry_name, kwargs = SCHEMES[scheme]
-    return {"name": name, "strategy": registry_name, "kwargs": {**kwargs, **LAYOUTS[layout]}, "model": model, "steps": steps}
+    return {
+        "name": name,
+        "strategy": registry_name,
+        "kwargs": {**kwargs, **LAYOUTS[layout]},
+        "model": model,
+        "steps": steps,
+    }
 
 
 def mib(b: float) -> str:
@@ -309,7 +315,8 @@ def measure_table(
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | scheme | layout | parameters | gradients | optimizer | scheme state | total MiB/rank | sharded / unsharded |",
+        "| model | scheme | layout | parameters | gradients | optimizer | scheme state | total MiB/rank"
+        " | sharded / unsharded |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
