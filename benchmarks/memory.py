@@ -7,9 +7,9 @@ model that trains under a per-rank budget either way.
 Four ranks on this machine (gloo on localhost, one process per rank with ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment, as ``torchrun`` starts them) train
 the recipe's Transformer LM (:class:`~lightning_commstrats.models.LanguageModel`, ``arch="transformer"``,
-tied input/output embedding, AdamW, no dropout) on **synthetic tokens**: a Zipf-distributed stream
-over a vocabulary of 8,192 words, each rank its own (sequences of 64 tokens, 4 per batch). The Brown
-corpus is not used: what is measured is bytes, and the loss only has to show the model learns.
+tied input/output embedding, AdamW, no dropout, 64 positions) on **synthetic tokens**: a
+Zipf-distributed stream over a vocabulary of 8,192 words, each rank its own. The Brown corpus is not
+used: what is measured is bytes, and the loss only has to show that the model learns.
 
 **Table 1** (sizes x schemes x layouts). For each model size (about 5M, 20M and 50M parameters) and
 each of ``allreduce``, ``model_averaging``, ``bmuf``, ``diloco``, ``streaming_diloco``
@@ -17,19 +17,23 @@ each of ``allreduce``, ``model_averaging``, ``bmuf``, ``diloco``, ``streaming_di
 pseudo-gradients, ``sparseloco`` top-k with error feedback; the periodic schemes sync every 2
 optimizer steps, ``sync_period_unit="steps"``), 4 optimizer steps run unsharded (``shard=None``),
 sharded in one group of 4 (``shard="fsdp", group_size=4``) and in two groups of 2 (``group_size=2``).
-Rank 0 takes ``trainer.strategy.memory_stats()`` in a callback at ``on_train_batch_end`` of the last
-step, when every state is held (gradients of the step, the inner AdamW moments, the periodic schemes'
-global model, outer optimizer state and residuals): bytes by kind, counted from the tensors'
-storages (:mod:`lightning_commstrats.sharding.memory`). The ratio is the sharded total over the
-unsharded total of the same size and scheme.
+Batches of 2 sequences of 32 tokens (the bytes counted do not depend on them). Rank 0 takes
+``trainer.strategy.memory_stats()`` in a callback at ``on_train_batch_end`` of the last step (a sync
+step), when every state is held (gradients of the step, the inner AdamW moments, the periodic
+schemes' global model, outer optimizer state, residuals, an exchange in flight): bytes by kind,
+counted from the tensors' storages (:mod:`lightning_commstrats.sharding.memory`). The ratio is the
+sharded total over the unsharded total of the same size and scheme; the last column is the largest
+total over the ends of all steps.
 
 **Table 2** (the largest model under a budget). At a fixed width (``d_model`` 512, 8 heads, FFN 2048)
 ``diloco``'s accounted bytes per rank (parameters + gradients + optimizer + scheme) are measured
 for 1 and 2 blocks, unsharded and sharded 4-way; they are linear in the number of blocks, which
 gives the most blocks whose accounted bytes fit ``--budget-mib`` per rank each way. Both models are
-then trained ``--budget-steps`` steps on 4 ranks (same data, AdamW lr 3e-3), and the table reports
-their parameters, the accounted bytes measured at the last step (must be within the budget), the
-mean loss over the ranks at the first and last step, and rank 0's peak resident set size.
+then trained ``--budget-steps`` steps on 4 ranks (batches of 4 sequences of 64 tokens, AdamW lr 1e-3,
+diloco syncing every 5 steps: the same state as every 2, a steadier loss over so few steps), and
+the table reports their parameters, the accounted bytes measured at the last step (flagged if over
+the budget), the mean loss over the ranks at the first and last step, and the largest peak resident
+set size of a rank, by the time training starts (model built and sharded) and over the whole run.
 
 What this does and does not show: the budget is a budget of *accounted* state bytes, not an
 out-of-memory limit. Activations, FSDP2's gathered units during forward and backward, communication
@@ -84,6 +88,8 @@ SIZES: dict[str, tuple[int, int, int]] = {
     "50M": (768, 6, 12),
 }
 BUDGET_WIDTH = (512, 8)  # d_model, heads of the budget search
+BUDGET_SYNC_PERIOD = 5  # diloco's inner steps per sync when the two largest models train
+TABLE_BATCH = (2, 32)  # sequences per batch and tokens per sequence of table 1's runs (bytes only)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -106,14 +112,14 @@ def model_args(d_model: int, blocks: int, heads: int, lr: float = 1e-3) -> dict[
     }
 
 
-def zipf_batches(rank: int, steps: int, seed: int = 0) -> list[Any]:
+def zipf_batches(rank: int, steps: int, batch: int = BATCH, seq_len: int = SEQ_LEN, seed: int = 0) -> list[Any]:
     """``steps`` batches ``(inputs, targets)`` of this rank: a Zipf(1) stream over the vocabulary."""
     import torch
 
     g = torch.Generator().manual_seed(10_000 * seed + rank)
     probs = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64)
-    tokens = torch.multinomial(probs / probs.sum(), steps * BATCH * (SEQ_LEN + 1), replacement=True, generator=g)
-    tokens = tokens.view(steps, BATCH, SEQ_LEN + 1)
+    tokens = torch.multinomial(probs / probs.sum(), steps * batch * (seq_len + 1), replacement=True, generator=g)
+    tokens = tokens.view(steps, batch, seq_len + 1)
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
@@ -135,12 +141,19 @@ def run_one(run: dict[str, Any], rank: int) -> dict[str, Any]:
         def __init__(self) -> None:
             self.memory: dict[str, dict[str, int]] | None = None
             self.losses: list[float] = []
+            self.totals: list[int] = []  # accounted bytes at the end of every step
             self.rss_at_last = 0
+            self.rss_at_start = (0, 0)
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            self.rss_at_start = rss_bytes()  # the model built, sharded, the optimizer made
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
             self.losses.append(float(outputs["loss"]))
+            memory = trainer.strategy.memory_stats()
+            self.totals.append(total(memory))
             if trainer.global_step == trainer.max_steps:
-                self.memory = trainer.strategy.memory_stats()
+                self.memory = memory
                 self.rss_at_last = rss_bytes()[0]
 
     L.seed_everything(run.get("seed", 0), verbose=False)
@@ -148,7 +161,8 @@ def run_one(run: dict[str, Any], rank: int) -> dict[str, Any]:
     numel = sum(p.numel() for p in model.parameters())
     strategy = L.pytorch.strategies.StrategyRegistry[run["strategy"]]["strategy"](**run["kwargs"])
     measure = Measure()
-    loader = DataLoader(zipf_batches(rank, run["steps"]), batch_size=None, shuffle=False)
+    batches = zipf_batches(rank, run["steps"], run.get("batch", BATCH), run.get("seq_len", SEQ_LEN))
+    loader = DataLoader(batches, batch_size=None, shuffle=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -172,9 +186,11 @@ def run_one(run: dict[str, Any], rank: int) -> dict[str, Any]:
         "numel": numel,
         "memory": measure.memory,
         "losses": measure.losses,
+        "totals": measure.totals,
         "seconds": seconds,
         "rss_at_last": measure.rss_at_last,
-        "rss_peak": rss_bytes()[1],
+        "rss_peak_setup": measure.rss_at_start[1],
+        "rss_peak": rss_bytes()[1],  # of the process: the run's own when it is the launch's only run
     }
     del trainer, strategy, model
     gc.collect()
@@ -255,7 +271,9 @@ def launch(runs: list[dict[str, Any]], timeout: float = 1800.0) -> list[dict[str
         shutil.rmtree(out, ignore_errors=True)
 
 
-def run_spec(name: str, scheme: str, layout: str, model: dict[str, Any], steps: int) -> dict[str, Any]:
+def run_spec(
+    name: str, scheme: str, layout: str, model: dict[str, Any], steps: int, batch: int = BATCH, seq_len: int = SEQ_LEN
+) -> dict[str, Any]:
     registry_name, kwargs = SCHEMES[scheme]
     return {
         "name": name,
@@ -263,6 +281,8 @@ def run_spec(name: str, scheme: str, layout: str, model: dict[str, Any], steps: 
         "kwargs": {**kwargs, **LAYOUTS[layout]},
         "model": model,
         "steps": steps,
+        "batch": batch,
+        "seq_len": seq_len,
     }
 
 
@@ -285,7 +305,7 @@ def measure_table(
     for size in sizes:
         d, blocks, heads = SIZES[size]
         runs = [
-            run_spec(f"{size}|{scheme}|{layout}", scheme, layout, model_args(d, blocks, heads), steps)
+            run_spec(f"{size}|{scheme}|{layout}", scheme, layout, model_args(d, blocks, heads), steps, *TABLE_BATCH)
             for scheme in schemes
             for layout in layouts
         ]
@@ -303,6 +323,7 @@ def measure_table(
                     "numel": r0["numel"],
                     "bytes": {k: sum(r0["memory"][k].values()) for k in KINDS},
                     "total": total(r0["memory"]),
+                    "totals": r0["totals"],
                     "seconds": r0["seconds"],
                 }
             )
@@ -316,8 +337,8 @@ def measure_table(
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | scheme | layout | parameters | gradients | optimizer | scheme state | total MiB/rank"
-        " | sharded / unsharded |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|",
+        " | sharded / unsharded | total, max over steps |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         b = r["bytes"]
@@ -325,7 +346,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['size']} ({r['numel'] / 1e6:.1f}M) | {r['scheme']} | {r['layout']} | "
             + " | ".join(mib(b[k]) for k in KINDS)
-            + f" | {mib(r['total'])} | {ratio} |"
+            + f" | {mib(r['total'])} | {ratio} | {mib(max(r['totals']))} |"
         )
     return "\n".join(lines)
 
@@ -367,7 +388,8 @@ def largest_under_budget(budget: int, steps: int, log: Any = print) -> dict[str,
     result: dict[str, Any] = {"budget": budget, "d_model": d, "layouts": {}}
     for label, layout in layouts.items():
         c = chosen[label]
-        run = run_spec(f"budget|{label}", "diloco", layout, model_args(d, c["blocks"], heads, lr=3e-3), steps)
+        run = run_spec(f"budget|{label}", "diloco", layout, model_args(d, c["blocks"], heads), steps)
+        run["kwargs"]["sync_period"] = BUDGET_SYNC_PERIOD
         start = time.perf_counter()
         ranks = launch([run])
         wall = time.perf_counter() - start
@@ -382,6 +404,7 @@ def largest_under_budget(budget: int, steps: int, log: Any = print) -> dict[str,
             "total": total(r0["memory"]),
             "losses": losses,
             "rss_peak": max(r["rss_peak"] for r in per_rank),
+            "rss_peak_setup": max(r["rss_peak_setup"] for r in per_rank),
             "rss_at_last": r0["rss_at_last"],
             "seconds": r0["seconds"],
         }
@@ -394,8 +417,8 @@ def format_budget(result: dict[str, Any]) -> str:
     lines = [
         f"Budget {mib(result['budget'])} MiB of accounted state per rank (diloco, d_model {result['d_model']}):",
         "",
-        "| layout | blocks | parameters | params / grads / optim / scheme MiB | accounted MiB/rank"
-        " | loss first -> last | peak RSS MiB (max over ranks) | fit s |",
+        "| layout | blocks | parameters | params / grads / optim / scheme MiB | accounted MiB/rank (predicted)"
+        " | loss first -> last | peak RSS MiB: setup / run (max over ranks) | fit s |",
         "|---|--:|--:|---|--:|---|--:|--:|",
     ]
     for label, r in result["layouts"].items():
@@ -403,12 +426,17 @@ def format_budget(result: dict[str, Any]) -> str:
         lines.append(
             f"| {label} | {r['blocks']} | {r['numel'] / 1e6:.1f}M | "
             + " / ".join(mib(b[k]) for k in KINDS)
-            + f" | {mib(r['total'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} ({len(r['losses'])} steps)"
-            f" | {mib(r['rss_peak'])} | {r['seconds']:.0f} |"
+            + f" | {mib(r['total'])} ({mib(r['predicted'])})"
+            f" | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} ({len(r['losses'])} steps)"
+            f" | {mib(r['rss_peak_setup'])} / {mib(r['rss_peak'])} | {r['seconds']:.0f} |"
         )
     u, s = result["layouts"]["unsharded"], result["layouts"]["sharded 4-way"]
+    over = [label for label, r in result["layouts"].items() if r["total"] > result["budget"]]
+    rising = [label for label, r in result["layouts"].items() if not r["losses"][-1] < r["losses"][0]]
     lines += [
         "",
+        *([f"OVER THE BUDGET: {', '.join(over)}."] if over else []),
+        *([f"LOSS DID NOT FALL: {', '.join(rising)}."] if rising else []),
         f"Largest model: sharded / unsharded parameters = {result['numel_ratio']:.2f}x"
         f" ({s['numel'] / 1e6:.1f}M / {u['numel'] / 1e6:.1f}M). Accounted bytes per block:"
         f" {mib(u['per_block'])} MiB unsharded, {mib(s['per_block'])} MiB sharded"
@@ -430,7 +458,8 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=1024, help="accounted state bytes per rank, MiB")
     parser.add_argument("--budget-steps", type=int, default=10, help="steps the two largest models train")
     parser.add_argument("--no-budget", action="store_true", help="table 1 only")
-    parser.add_argument("--quick", action="store_true", help="5M only, allreduce and diloco, budget 128 MiB")
+    parser.add_argument("--no-table", action="store_true", help="table 2 (the budget) only")
+    parser.add_argument("--quick", action="store_true", help="5M only, allreduce and diloco, budget 256 MiB")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory"))
     parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -438,16 +467,17 @@ def main() -> None:
         rank_main(*args.rank)
         return
     if args.quick:
-        args.sizes, args.schemes, args.budget_mib = ["5M"], ["allreduce", "diloco"], 128.0
+        args.sizes, args.schemes, args.budget_mib = ["5M"], ["allreduce", "diloco"], 256.0
         if args.out == parser.get_default("out"):
             args.out = str(Path(args.out) / "quick")
     start = time.perf_counter()
-    rows = measure_table(args.sizes, args.schemes, args.layouts, args.steps)
-    text = format_table(rows)
+    rows = [] if args.no_table else measure_table(args.sizes, args.schemes, args.layouts, args.steps)
+    parts = [] if args.no_table else [format_table(rows)]
     budget = None
     if not args.no_budget:
         budget = largest_under_budget(int(args.budget_mib * 2**20), args.budget_steps)
-        text += "\n\n" + format_budget(budget)
+        parts.append(format_budget(budget))
+    text = "\n\n".join(parts)
     wall = time.perf_counter() - start
     text += f"\n\nWall time: {wall:.0f}s."
     print(text)
