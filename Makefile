@@ -38,9 +38,11 @@ test-all: install
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 # On a machine with a CUDA GPU (and a CUDA build of torch: TORCH=...): every test marked cuda (one
-# GPU, NCCL ranks on it). Skipped tests mean no GPU was found.
+# GPU, NCCL ranks on it; skipped tests mean no GPU was found), then one short run of every scheme,
+# unsharded and shard="fsdp", with the device's peak memory at a sync step (a table).
 gpu-check: install
 	$(PY) -m pytest -m cuda tests/cuda -v -rs $(PYTEST_ARGS)
+	$(PY) benchmarks/gpu_check.py
 
 # The lowest supported Lightning (pyproject's bound), without the [mpi] extra, in its own virtual
 # environment: a short subset of the suite (CI runs it after `make test`; a few minutes).

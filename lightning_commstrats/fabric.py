@@ -25,7 +25,8 @@ One scheme, two front ends: :class:`FabricStrategy` holds the very object the Tr
 the communicator, the statistics and the checkpointed state are the same code; only the order of
 calls comes from Fabric instead of the Trainer's loop:
 
-- ``fabric.setup``: the model moves to its device, the scheme shards it (``expert_parallel``),
+- ``fabric.setup``: the model moves to its device, the scheme shards it (``expert_parallel``, or
+  FSDP2 with ``shard="fsdp"``: then make the optimizer after ``fabric.setup_module``),
   every rank takes rank 0's weights, and the scheme builds its structures;
 - the first forward in training mode starts the run (the periodic schemes take the global model);
   every forward in training mode counts the batch's samples (schedules in samples) and hands the
@@ -201,7 +202,10 @@ class FabricStrategy(RankDevices, ParallelStrategy):
         scheme.synchronize_initial_weights()
         scheme.setup_scheme()
         self._module = module
-        self._hook = module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        # before FSDP2's own pre-forward hook (shard="fsdp"), which swaps in the gathered parameters:
+        # the run starts (the global model taken) from the parameters as the scheme holds them
+        prepend = scheme.sharding is not None
+        self._hook = module.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=prepend)
         return module
 
     @override
@@ -318,6 +322,9 @@ class FabricStrategy(RankDevices, ParallelStrategy):
         if scheme._comm is not None:
             scheme.sync_buffers()
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        if scheme.sharding is not None and scheme._comm is not None:  # a directory, every rank its shards
+            scheme._save_sharded(converted, str(path))
+            return
         if scheme._comm is not None:
             converted[STATE_KEY] = scheme.checkpoint_state(path)
         if self.is_global_zero:

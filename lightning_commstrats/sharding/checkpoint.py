@@ -16,7 +16,9 @@ What goes where:
 - *per rank* (keys ``r<k>/...``): what only this rank's place in the layout gives a meaning to (the
   stripes of a two-stage aggregation's second residual, a slow hop's residuals). Restored on the
   same layout; on another one the scheme's ``resharded_rank_state`` rule applies (they restart).
-- everything else (counters, loops, callbacks, hyperparameters, 0-d tensors) is pickled in ``meta.pt``.
+- everything else (counters, loops, callbacks, hyperparameters, 0-d tensors) is pickled in ``meta.pt``,
+  and so are the other entries of the checkpoint (a Fabric checkpoint's model and optimizers: their
+  DTensors per group, their plain tensors per rank).
 
 No Lightning here: the strategy hands in the checkpoint dict and gets one back.
 """
@@ -216,7 +218,10 @@ def save(
 
     params = dict(module.named_parameters())
     enc = _Encoder(params, group, comm.rank)
+    # the rest (Lightning's loops and callbacks; a Fabric checkpoint's own entries: a model, optimizers)
+    # per group: a model's DTensors are the same in every group, an optimizer's may not be
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    others = enc.encode(rest, "rest", "group", lambda p: None)
     model = enc.encode(checkpoint.get("state_dict", {}), "model", "shared", lambda p: None, plain=True)
     optimizers = enc.encode(checkpoint.get("optimizer_states", []), "optimizers", "group", lambda p: None)
     state = enc.encode(scheme["state"], "scheme", "shared", fragments)
@@ -225,10 +230,9 @@ def save(
         shutil.rmtree(path)  # an older checkpoint under this name: its files would mix with these
     comm.barrier()
     dcp.save(enc.items, checkpoint_id=path)
-    skeletons = comm.all_gather_object({"optimizers": optimizers, "rank": rank})
+    skeletons = comm.all_gather_object({"optimizers": optimizers, "rank": rank, "rest": others})
     if comm.rank == 0:
         meta = {
-            "checkpoint": rest,
             "model": model,
             "state": state,
             "strategy": scheme["strategy"],
@@ -265,7 +269,7 @@ def load(
     mine = meta["ranks"][source]
     params = dict(module.named_parameters())
     wanted: dict[str, Tensor] = {}
-    for ph in _placeholders([meta["model"], meta["state"], mine]):
+    for ph in _placeholders([meta["model"], meta["state"], mine]):  # mine: its optimizers, rank state, rest
         if ph[_PH] in ("rank", "plain"):
             if same or ph[_PH] == "plain":
                 wanted[ph["key"]] = torch.empty(ph["shape"], dtype=ph["dtype"])
@@ -275,7 +279,7 @@ def load(
             raise ValueError(f"{path}: {ph['key']} of shape {ph['shape']} matches no parameter of this model")
         wanted[ph["key"]] = torch.zeros_like(like, dtype=ph["dtype"])
     dcp.load(wanted, checkpoint_id=path)
-    checkpoint = dict(meta["checkpoint"])
+    checkpoint = _decode(mine["rest"], wanted, device)
     checkpoint["state_dict"] = _decode(meta["model"], wanted, device)
     checkpoint["optimizer_states"] = _decode(mine["optimizers"], wanted, device)
     scheme = {

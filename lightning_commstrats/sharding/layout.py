@@ -16,6 +16,7 @@ hands out local tensors, and saves and loads sharded checkpoints
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_commstrats.comm import Communicator
+from lightning_commstrats.comm.torch_dist import destroy_process_group
 from lightning_commstrats.compression.hierarchical import group_layout
 from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
 
@@ -110,8 +112,14 @@ class Sharding:
 
     def connect(self, comm: Communicator, devices_per_node: int, device: torch.device) -> None:
         """Build the mesh and the cross-group channel (collective: every rank, in the same order)."""
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        if not dist.is_initialized():  # one rank: no process group was made, and FSDP2 needs one
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+            atexit.register(destroy_process_group)  # kept for the process, as a world's group is
         size = devices_per_node if self.group_size == "node" else int(self.group_size)
         _, across = group_layout(comm.world_size, size)  # raises when the size does not divide the world
         self.num_groups, self.group, self.index = comm.world_size // size, comm.rank // size, comm.rank % size

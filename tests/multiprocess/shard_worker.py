@@ -10,7 +10,8 @@ strategy and this rank saves ``OUT_DIR/rank<r>.pt`` holding, per scenario:
 - ``final``: the whole parameters once fit ends (gathered inside the group when sharded);
 - ``stats``, ``memory``, ``losses``, ``tied`` (input and output embeddings are one tensor).
 
-Scenario keys: ``strategy`` (registry name), ``kwargs``, ``max_steps``, ``batch_size``, ``merge``
+Scenario keys: ``front`` (``"fabric"``: a plain Fabric loop, see :func:`run_fabric`), ``strategy`` (registry
+name), ``kwargs``, ``max_steps``, ``batch_size``, ``merge``
 (this rank trains on the batches of ranks ``merge * r .. merge * r + merge - 1`` concatenated: the
 unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optimizer`` ("sgd" or
 "adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir`` / ``resume_dir``,
@@ -174,6 +175,45 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
     return trainer.global_rank, result
 
 
+def run_fabric(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tuple[int, dict[str, Any]]:
+    """The same training as :func:`run_scenario` in a plain Fabric loop: the optimizer is made after
+    ``fabric.setup_module`` (over the sharded parameters); ``save_at`` / ``resume`` as ``fabric.save`` /
+    ``fabric.load`` of ``OUT_DIR/<scenario>.ckpt``."""
+    from lightning_commstrats.fabric import FabricStrategy
+
+    L.seed_everything(sc.get("seed", 3), verbose=False)
+    raw = TiedNet(sc.get("optimizer", "adamw"), **sc.get("dims", {}))
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=FabricStrategy(sc["strategy"], **sc.get("kwargs", {})))
+    fabric.launch()
+    model = fabric.setup_module(raw)
+    optimizer = fabric.setup_optimizers(raw.configure_optimizers())
+    steps = sc.get("max_steps", 8)
+    data = RankBatches(rank_hint, sc.get("batch_size", 4), sc.get("epoch_steps", steps), sc.get("merge", 1))
+    start = 0
+    if sc.get("resume"):
+        source, start = sc["resume"]
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(out / f"{source}.ckpt", state)
+        assert state["step"] == start, state["step"]
+    for step in range(start, steps):
+        x, y = data[step % len(data)]
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        raw.losses.append(loss.item())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == sc.get("save_at"):
+            fabric.save(out / f"{name}.ckpt", {"model": model, "optimizer": optimizer, "step": step + 1})
+    fabric.strategy.finish()
+    return fabric.global_rank, {
+        "local_numel": {n: local(p).numel() for n, p in raw.named_parameters()},
+        "final": {n: full(p) for n, p in raw.named_parameters()},
+        "losses": raw.losses,
+        "tied": raw.head.weight is raw.emb.weight,
+        "stats": fabric.strategy.comm_stats.snapshot().as_dict(),
+    }
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
@@ -182,7 +222,8 @@ def main() -> None:
     rank_hint = int(os.environ.get("LOCAL_RANK", "0"))
     results, rank = {}, 0
     for name, scenario in spec["scenarios"].items():
-        rank, results[name] = run_scenario(name, scenario, out, rank_hint)
+        run = run_fabric if scenario.get("front") == "fabric" else run_scenario
+        rank, results[name] = run(name, scenario, out, rank_hint)
     torch.save(results, out / f"rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -163,3 +163,22 @@ def test_checkpoint_mid_block_resumes_bit_for_bit_and_onto_other_layouts():
             4,
             script=WORKER,
         )
+
+
+def test_fabric_trains_sharded_as_the_trainer_does_and_resumes_bit_for_bit():
+    kw = {"sync_period": 3, "sync_period_unit": "steps", "pseudo_grad_bits": 4, "small_tensor_numel": 0, **SHARD}
+    scenarios = {
+        "trainer": {"strategy": "diloco", "kwargs": kw, "max_steps": 8},
+        "fabric": {"front": "fabric", "strategy": "diloco", "kwargs": kw, "max_steps": 8, "save_at": 4},
+        "resumed": {"front": "fabric", "strategy": "diloco", "kwargs": kw, "max_steps": 8, "resume": ["fabric", 4]},
+    }
+    results = run_ranks({"scenarios": scenarios}, 4, script=WORKER)
+    for res in results:
+        assert res["fabric"]["tied"] and res["fabric"]["local_numel"]["emb.weight"] == 1024
+        for name, value in res["trainer"]["final"].items():
+            assert torch.equal(res["fabric"]["final"][name], value), name
+            assert torch.equal(res["resumed"]["final"][name], value), name
+        assert (
+            res["fabric"]["stats"]["weights_quantized/bytes_sent"]
+            == res["trainer"]["stats"]["weights_quantized/bytes_sent"]
+        )
