@@ -15,7 +15,8 @@ name), ``kwargs``, ``max_steps``, ``batch_size``, ``merge``
 (this rank trains on the batches of ranks ``merge * r .. merge * r + merge - 1`` concatenated: the
 unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optimizer`` ("sgd" or
 "adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir`` / ``resume_dir``,
-``dims``, ``epoch_steps`` (batches per epoch: a checkpoint at an epoch's end resumes on the same data).
+``dims``, ``model`` (``"tied"``, default, or ``"gpt2"``: Hugging Face's GPT-2), ``epoch_steps`` (batches per
+epoch: a checkpoint at an epoch's end resumes on the same data).
 """
 
 from __future__ import annotations
@@ -67,6 +68,35 @@ class TiedNet(L.LightningModule):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.5)
         return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def is_tied(self) -> bool:
+        return self.head.weight is self.emb.weight
+
+
+class HFNet(TiedNet):
+    """A Hugging Face GPT-2 (``transformers``, random weights, no dropout) with its ``lm_head`` tied
+    to the token embedding, inside a LightningModule (``model: "gpt2"``)."""
+
+    def __init__(self, optimizer: str = "adamw", blocks: int = 2, dim: int = DIM, vocab: int = VOCAB) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=vocab, n_positions=SEQ * 2, n_embd=dim, n_layer=blocks, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        self.gpt = GPT2LMHeadModel(config)
+        self.optimizer = optimizer
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gpt(input_ids=x).logits
+
+    def is_tied(self) -> bool:
+        return self.gpt.lm_head.weight is self.gpt.transformer.wte.weight
+
+
+MODELS = {"tied": TiedNet, "gpt2": HFNet}
 
 
 class RankBatches(Dataset):
@@ -120,7 +150,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tuple[int, dict[str, Any]]:
     L.seed_everything(sc.get("seed", 3), verbose=False)
-    model = TiedNet(sc.get("optimizer", "adamw"), **sc.get("dims", {}))
+    model = MODELS[sc.get("model", "tied")](sc.get("optimizer", "adamw"), **sc.get("dims", {}))
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
     record = Record(bool(sc.get("trace")))
     callbacks: list[L.Callback] = [record]
@@ -166,7 +196,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         "start": record.start,
         "steps": record.steps,
         "losses": model.losses,
-        "tied": model.head.weight is model.emb.weight,
+        "tied": model.is_tied(),
         "stats": strategy.comm_stats.snapshot().as_dict(),
         "memory": strategy.memory_stats(),
         "sync_history": list(getattr(strategy, "sync_history", [])),
@@ -182,7 +212,7 @@ def run_fabric(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tupl
     from lightning_commstrats.fabric import FabricStrategy
 
     L.seed_everything(sc.get("seed", 3), verbose=False)
-    raw = TiedNet(sc.get("optimizer", "adamw"), **sc.get("dims", {}))
+    raw = MODELS[sc.get("model", "tied")](sc.get("optimizer", "adamw"), **sc.get("dims", {}))
     fabric = L.Fabric(accelerator="cpu", devices=4, strategy=FabricStrategy(sc["strategy"], **sc.get("kwargs", {})))
     fabric.launch()
     model = fabric.setup_module(raw)
@@ -209,7 +239,7 @@ def run_fabric(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tupl
         "local_numel": {n: local(p).numel() for n, p in raw.named_parameters()},
         "final": {n: full(p) for n, p in raw.named_parameters()},
         "losses": raw.losses,
-        "tied": raw.head.weight is raw.emb.weight,
+        "tied": raw.is_tied(),
         "stats": fabric.strategy.comm_stats.snapshot().as_dict(),
     }
 

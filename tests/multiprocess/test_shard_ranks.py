@@ -182,3 +182,18 @@ def test_fabric_trains_sharded_as_the_trainer_does_and_resumes_bit_for_bit():
             res["fabric"]["stats"]["weights_quantized/bytes_sent"]
             == res["trainer"]["stats"]["weights_quantized/bytes_sent"]
         )
+
+
+def test_a_hugging_face_gpt2_trains_sharded_as_it_does_unsharded():
+    # transformers' GPT-2 (lm_head tied to wte): its blocks are units, the tie stays with the root
+    scenario = {"strategy": "diloco", "model": "gpt2", "max_steps": 8, "optimizer": "sgd"}
+    sharded = run_ranks({"scenarios": {"g": {**scenario, "kwargs": {**STEPS, **SHARD}}}}, 4, script=WORKER)
+    reference = run_ranks(
+        {"scenarios": {"g": {**scenario, "kwargs": STEPS, "merge": 2, "devices": 2}}}, 2, script=WORKER
+    )
+    for res in sharded:
+        run = res["g"]
+        assert run["sharded"] and run["tied"]
+        assert all(run["local_numel"][n] * 2 == n_full for n, n_full in run["full_numel"].items())
+        for name, whole in reference[0]["g"]["final"].items():
+            torch.testing.assert_close(run["final"][name], whole, atol=ATOL, rtol=0, msg=name)
