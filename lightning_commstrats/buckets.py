@@ -17,6 +17,23 @@ from torch import Tensor
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
+def park(t: Tensor, home: torch.device | None) -> Tensor:
+    """``t`` kept at ``home``: itself when ``home`` is ``None`` or its device, else a copy there (in
+    pinned memory when ``home`` is the host of a CUDA tensor; the copy waits for the tensor)."""
+    if home is None or t.device == home:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=home, pin_memory=home.type == "cpu" and t.is_cuda)
+    return out.copy_(t)
+
+
+def visit(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """``t`` on ``device`` to be used there (a copy from pinned host memory is queued on the current
+    stream, ordered before what uses it)."""
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=t.is_pinned())
+
+
 def plan_buckets(tensors: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     """Group tensor indices into buckets of one dtype and device, each at most ``cap_bytes`` (a tensor
     larger than the cap gets a bucket of its own)."""

@@ -110,3 +110,28 @@ def test_outer_state_on_the_host_of_a_cpu_run_is_the_same_memory():
         assert outer.weights[0].device.type == "cpu" and not outer.weights[0].is_pinned()
         outer.step(0, torch.ones(4))
         assert outer.start_point(0).device.type == "cpu"
+
+
+def test_residuals_kept_at_their_home_and_brought_to_the_tensors_device():
+    from lightning_commstrats.buckets import park, visit
+    from lightning_commstrats.compression.exchange import TensorExchange
+
+    t = torch.arange(6.0)
+    assert park(t, None) is t and park(t, torch.device("cpu")) is t  # a CPU run: the same memory
+    assert visit(None, torch.device("cpu")) is None and visit(t, torch.device("cpu")) is t
+    exchange = TensorExchange(LocalCommunicator(), 4, residual_home=torch.device("cpu"))
+    assert exchange.quantized is not None and exchange.quantized.home == torch.device("cpu")
+    assert TensorExchange(LocalCommunicator(), 4).quantized.home is None
+
+
+@pytest.mark.cuda
+def test_residuals_wait_in_pinned_host_memory_on_cuda():
+    from lightning_commstrats.buckets import park, visit
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    t = torch.randn(1000, device="cuda")
+    kept = park(t, torch.device("cpu"))
+    assert kept.device.type == "cpu" and kept.is_pinned()
+    back = visit(kept, t.device)
+    assert back.is_cuda and torch.equal(back, t)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_commstrats.buckets import park, visit
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.quantizers import ColumnCodec, E3M0Codec, pack_bits, packed_bytes, unpack_bits
 
@@ -138,6 +139,7 @@ class QuantizedAllReduce:
         self.tag = tag
         self.residuals: dict[str, Tensor] = {}
         self.residuals2: dict[str, Tensor] = {}
+        self.home: torch.device | None = None  # where residuals are kept between calls (None: where made)
         self._layouts: dict[str, MatrixLayout] = {}
         self.nonfinite: list[str] = []  # names whose last average was not finite (residuals then kept)
         self._pending: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
@@ -177,7 +179,7 @@ class QuantizedAllReduce:
         new_res: dict[str, Tensor] = {}
         for name, lay in zip(names, layouts, strict=True):
             v = column_major(grads[name], lay)
-            res = self.residuals.get(name)
+            res = visit(self.residuals.get(name), v.device)
             if res is not None and res.shape == v.shape:
                 v += res
             # a codec could squash an inf into finite codes: NaN everywhere makes every owner see it
@@ -276,7 +278,7 @@ class QuantizedAllReduce:
             group_bytes += n * c * rows * 4
         totals += _sum_in_rank_order(group)
         with_res2 = [
-            (total, self.residuals2[name])
+            (total, visit(self.residuals2[name], total.device))
             for (name, _, _), total in zip(owned, totals, strict=True)
             if name in self.residuals2 and self.residuals2[name].shape == total.shape
         ]
@@ -324,8 +326,8 @@ class QuantizedAllReduce:
     def commit(self) -> None:
         """Keep the residuals of the last call (only ever finite ones; a no-op after a non-finite call)."""
         if self._pending is not None:
-            self.residuals.update(self._pending[0])
-            self.residuals2.update(self._pending[1])
+            self.residuals.update({n: park(r, self.home) for n, r in self._pending[0].items()})
+            self.residuals2.update({n: park(r, self.home) for n, r in self._pending[1].items()})
             self._pending = None
 
     def discard(self) -> None:
@@ -350,8 +352,8 @@ class QuantizedAllReduce:
         return {"residuals": dict(self.residuals), "residuals2": dict(self.residuals2)}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
-        self.residuals = {n: r.float() for n, r in state.get("residuals", {}).items()}
-        self.residuals2 = {n: r.float() for n, r in state.get("residuals2", {}).items()}
+        self.residuals = {n: park(r.float(), self.home) for n, r in state.get("residuals", {}).items()}
+        self.residuals2 = {n: park(r.float(), self.home) for n, r in state.get("residuals2", {}).items()}
 
     def reset(self) -> None:
         """Forget both residuals (they restart at zero)."""

@@ -145,6 +145,9 @@ class TensorExchange:
         topk_per_chunk: with ``codec="topk"``, values kept per chunk (SparseLoCo: 64).
         error_feedback_decay: with ``codec="topk"``, the decay of the error feedback (SparseLoCo:
             0.95); other codecs carry their residuals undecayed (1.0).
+        residual_home: where the error-feedback residuals are kept between calls: ``None`` (where
+            they are made, the tensors' device) or the host (``torch.device("cpu")``: pinned memory
+            on a CUDA run; each comes to the device only while its tensor is encoded).
     """
 
     def __init__(
@@ -163,6 +166,7 @@ class TensorExchange:
         topk_chunk: int = 4096,
         topk_per_chunk: int = 64,
         error_feedback_decay: float = 1.0,
+        residual_home: torch.device | None = None,
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
         check_codec(codec, bits)
@@ -191,6 +195,8 @@ class TensorExchange:
         elif bits < 32:
             line_codec = make_codec(codec, min(bits, 16), HALF_DTYPES[half_dtype])
             self.quantized = QuantizedAllReduce(line_codec, comm, tag=f"{tag}_quantized", by_rows=self.by_rows)
+        if self.quantized is not None:
+            self.quantized.home = residual_home
 
     def quantizes(self, t: Tensor) -> bool:
         """Whether ``t`` travels quantized (a matrix of more than ``small_tensor_numel`` values) or sparse

@@ -55,6 +55,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from lightning_commstrats.buckets import park, visit
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.quantizers import _view, pack_bits, packed_bytes, unpack_bits
 
@@ -264,6 +265,7 @@ class SparseAllGather:
         self.tag = tag
         self.decay = float(decay)
         self.residuals: dict[str, Tensor] = {}
+        self.home: torch.device | None = None  # where the buffer is kept between calls (None: where made)
         self.nonfinite: list[str] = []
         self._pending: dict[str, Tensor] | None = None
 
@@ -290,7 +292,7 @@ class SparseAllGather:
         for name, row, _ in layout:
             g = grads[name]
             dst = flat[row * chunk : row * chunk + g.numel()]
-            res = self.residuals.get(name)
+            res = visit(self.residuals.get(name), device)
             if res is not None and res.shape == g.shape:
                 dst.copy_(res.reshape(-1))
                 if self.decay != 1.0:
@@ -335,7 +337,7 @@ class SparseAllGather:
     def commit(self) -> None:
         """Keep the error feedback of the last call (a no-op after a non-finite one)."""
         if self._pending is not None:
-            self.residuals.update(self._pending)
+            self.residuals.update({n: park(r, self.home) for n, r in self._pending.items()})
             self._pending = None
 
     def discard(self) -> None:
@@ -352,7 +354,7 @@ class SparseAllGather:
         return {"residuals": dict(self.residuals), "residuals2": {}, "codec": "topk"}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
-        self.residuals = {n: r.float() for n, r in state.get("residuals", {}).items()}
+        self.residuals = {n: park(r.float(), self.home) for n, r in state.get("residuals", {}).items()}
 
     def reset(self) -> None:
         """Forget the error feedback (it restarts at zero)."""

@@ -348,6 +348,8 @@ class PeriodicSyncStrategy(CommStrategy):
             error_feedback_decay=self.error_feedback_decay,
             bucket_cap_mb=self.bucket_cap_mb,
             keep_buffers=False,  # once per period, a whole fragment: not worth a standing copy
+            # outer_state="host" on CUDA: the error feedback waits in pinned host memory between syncs
+            residual_home=torch.device("cpu") if self.outer_state == "host" else None,
         )
 
     @override
