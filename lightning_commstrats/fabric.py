@@ -61,6 +61,7 @@ from typing_extensions import override
 
 from lightning_commstrats._registry import _qualname, unknown_strategy_message
 from lightning_commstrats.comm import CommStats, Communicator
+from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
 from lightning_commstrats.strategies.base import STATE_KEY, CommStrategy, RankDevices
 
 __all__ = ["FabricStrategy", "register_fabric_strategies"]
@@ -323,7 +324,7 @@ class FabricStrategy(RankDevices, ParallelStrategy):
             scheme.sync_buffers()
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         if scheme.sharding is not None and scheme._comm is not None:  # a directory, every rank its shards
-            scheme._save_sharded(converted, str(path))
+            sharded_checkpoint.save_strategy(scheme, converted, str(path))
             return
         if scheme._comm is not None:
             converted[STATE_KEY] = scheme.checkpoint_state(path)

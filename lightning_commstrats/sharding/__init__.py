@@ -17,7 +17,7 @@ from lightning_commstrats.sharding.layout import (
     local,
     local_grad,
 )
-from lightning_commstrats.sharding.memory import KINDS, format_memory, memory_by_kind, total_bytes
+from lightning_commstrats.sharding.memory import KINDS, format_memory, memory_by_kind, tensors_in, total_bytes
 from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
 
 __all__ = [
@@ -33,5 +33,6 @@ __all__ = [
     "local",
     "local_grad",
     "memory_by_kind",
+    "tensors_in",
     "total_bytes",
 ]

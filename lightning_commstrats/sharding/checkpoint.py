@@ -25,6 +25,7 @@ No Lightning here: the strategy hands in the checkpoint dict and gets one back.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -33,7 +34,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.sharding.layout import is_dtensor, local
+
+log = logging.getLogger(__name__)
 
 META = "meta.pt"
 _PH = "__commstrats_dcp__"  # marks a placeholder in a skeleton
@@ -305,6 +309,60 @@ def global_state_dict(state: dict[str, Any], module: nn.Module, global_shards: d
             if match is not None:
                 out[key] = match.to(value.dtype)
     return out
+
+
+def save_strategy(strategy: Any, checkpoint: dict[str, Any], path: str) -> None:
+    """Collective. A ``shard="fsdp"`` strategy's checkpoint (Trainer or Fabric): ``checkpoint`` and the
+    scheme's state (shared, and this rank's) into the directory ``path``."""
+    sharding = strategy.sharding
+    strategy.wait_for_exchange()
+    state = strategy.state_dict()
+    save(
+        path,
+        checkpoint,
+        {"strategy": type(strategy).__name__, "state": state, "rank": strategy.full_rank_state()},
+        module=strategy.lightning_module,
+        comm=strategy.comm,
+        group=sharding.group,
+        group_size=sharding.mesh.shape[1],
+        fragments=periodic_fragments(strategy, state),
+    )
+
+
+def load_strategy(strategy: Any, path: str) -> dict[str, Any]:
+    """Collective. Read ``path`` for a ``shard="fsdp"`` strategy: returns the checkpoint for Lightning
+    to load (model, inner optimizers), and leaves the scheme's state pending on the strategy until
+    training starts. Another layout (number of groups, group size) follows its ``resume_mismatch``:
+    ``"error"`` raises, ``"reset"`` starts the scheme's state afresh, ``"reshard"`` re-splits it."""
+    sharding = strategy.sharding
+    checkpoint, scheme, same = load(
+        path,
+        module=strategy.lightning_module,
+        comm=strategy.comm,
+        group_size=sharding.mesh.shape[1],
+        device=strategy.root_device,
+    )
+    name = type(strategy).__name__
+    if scheme["strategy"] == name and not same:
+        saved = f"{scheme['world_size'] // scheme['group_size']} x {scheme['group_size']}"
+        problem = (
+            f"it was saved by {saved} ranks (groups x shards) and this run is"
+            f" {sharding.num_groups} x {sharding.mesh.shape[1]}"
+        )
+        if strategy.resume_mismatch == "error":
+            raise ValueError(
+                f"{name} cannot restore its state from the checkpoint: {problem}. Pass {name}(resume_mismatch="
+                "'reshard') to re-split it over these ranks, or 'reset' to start that state afresh"
+            )
+        if strategy.resume_mismatch == "reset":
+            log_rank_zero(log, logging.WARNING, "%s: %s; its state starts afresh", name, problem)
+            strategy._pending_state = None
+            return checkpoint
+        scheme["rank"] = strategy.resharded_rank_state(scheme["state"], scheme["rank"], scheme["world_size"])
+        log_rank_zero(log, logging.WARNING, "%s: %s; its state was re-split over this run's ranks", name, problem)
+    scheme["world_size"] = strategy.world_size  # in this run's layout now
+    strategy._pending_state = scheme
+    return checkpoint
 
 
 def remove(path: str) -> None:

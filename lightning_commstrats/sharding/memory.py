@@ -18,6 +18,7 @@ is the same memory there, and the accounting shows it so. No Lightning here.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -56,6 +57,27 @@ def memory_by_kind(
     )
     count("scheme", scheme)
     return out
+
+
+def tensors_in(obj: Any) -> list[Tensor]:
+    """Every tensor in a nested structure of dicts, lists and tuples, and the buffers an object with
+    ``held_tensors()`` keeps (a fused all-reduce's)."""
+    found: list[Tensor] = []
+
+    def visit(o: Any) -> None:
+        if isinstance(o, Tensor):
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+        elif hasattr(o, "held_tensors"):
+            visit(o.held_tensors())
+
+    visit(obj)
+    return found
 
 
 def total_bytes(report: dict[str, dict[str, int]], kinds: Iterable[str] = KINDS) -> int:

@@ -57,7 +57,7 @@ from lightning_commstrats.comm import (
 )
 from lightning_commstrats.compression.exchange import BucketedAllReduce
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
-from lightning_commstrats.sharding import Sharding, check_shard, local, memory_by_kind
+from lightning_commstrats.sharding import Sharding, check_shard, local, memory_by_kind, tensors_in
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
 from lightning_commstrats.strategies.stop import StopAgreement
 
@@ -623,61 +623,18 @@ class CommStrategy(RankDevices, ParallelStrategy):
             for name, b in self.lightning_module.named_buffers():
                 if name in saved:
                     saved[name] = b.detach().clone()
-            if self.sharding is not None:
-                self._save_sharded(checkpoint, str(filepath))
+            if self.sharding is not None:  # a directory through torch.distributed.checkpoint
+                sharded_checkpoint.save_strategy(self, checkpoint, str(filepath))
                 return
             checkpoint[STATE_KEY] = self.checkpoint_state(filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def _save_sharded(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Collective. A ``shard="fsdp"`` run's checkpoint: the directory ``path`` through
-        torch.distributed.checkpoint (:mod:`lightning_commstrats.sharding.checkpoint`)."""
-        assert self.sharding is not None and self.lightning_module is not None
-        self.wait_for_exchange()
-        state, rank = self.state_dict(), self.rank_state_dict()
+    def full_rank_state(self) -> dict[str, Any]:
+        """This rank's state as checkpoints hold it: the scheme's, and the slow hop's residuals."""
+        rank = self.rank_state_dict()
         if self.two_level is not None and self.two_level.state_dict():
             rank = {**rank, TWO_LEVEL_KEY: self.two_level.state_dict()}
-        sharded_checkpoint.save(
-            path,
-            checkpoint,
-            {"strategy": type(self).__name__, "state": state, "rank": rank},
-            module=self.lightning_module,
-            comm=self.comm,
-            group=self.sharding.group,
-            group_size=self.sharding.mesh.shape[1],
-            fragments=sharded_checkpoint.periodic_fragments(self, state),
-        )
-
-    def _load_sharded(self, path: str) -> dict[str, Any]:
-        """Collective. Read a sharded checkpoint: the model and inner optimizers for Lightning to load,
-        the scheme's state pending until training starts; another layout (number of groups, group
-        size) follows ``resume_mismatch``."""
-        assert self.sharding is not None and self.lightning_module is not None
-        checkpoint, scheme, same = sharded_checkpoint.load(
-            path,
-            module=self.lightning_module,
-            comm=self.comm,
-            group_size=self.sharding.mesh.shape[1],
-            device=self.root_device,
-        )
-        name = type(self).__name__
-        if scheme["strategy"] == name and not same:
-            saved = f"{scheme['world_size'] // scheme['group_size']} x {scheme['group_size']}"
-            here = f"{self.sharding.num_groups} x {self.sharding.mesh.shape[1]}"
-            problem = f"it was saved by {saved} ranks (groups x shards) and this run is {here}"
-            if self.resume_mismatch == "error":
-                raise ValueError(
-                    f"{name} cannot restore its state from the checkpoint: {problem}. Pass {name}(resume_mismatch="
-                    "'reshard') to re-split it over these ranks, or 'reset' to start that state afresh"
-                )
-            if self.resume_mismatch == "reset":
-                log_rank_zero(log, logging.WARNING, "%s: %s; its state starts afresh", name, problem)
-                return checkpoint
-            scheme["rank"] = self.resharded_rank_state(scheme["state"], scheme["rank"], scheme["world_size"])
-            log_rank_zero(log, logging.WARNING, "%s: %s; its state was re-split over this run's ranks", name, problem)
-        scheme["world_size"] = self.world_size  # in this run's layout now
-        self._pending_state = scheme
-        return checkpoint
+        return rank
 
     def checkpoint_state(self, filepath: Any) -> dict[str, Any]:
         """Collective. The scheme's entry of the checkpoint ``filepath``: the state every rank shares,
@@ -688,9 +645,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
             "world_size": self.world_size,
             "state": _to_cpu(self.state_dict()),
         }
-        rank = self.rank_state_dict()
-        if self.two_level is not None and self.two_level.state_dict():
-            rank = {**rank, TWO_LEVEL_KEY: self.two_level.state_dict()}
+        rank = self.full_rank_state()
         if self.world_size == 1:  # one process: its state goes in the file itself
             entry["rank"] = _to_cpu(rank)
         else:
@@ -736,7 +691,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.sharding is not None:
-            return self._load_sharded(str(checkpoint_path))
+            return sharded_checkpoint.load_strategy(self, str(checkpoint_path))
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(STATE_KEY)
         if saved is not None:
@@ -1075,26 +1030,6 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
-
-
-def tensors_in(obj: Any) -> list[Tensor]:
-    """Every tensor in a nested structure of dicts, lists and tuples, and the buffers a fused all-reduce keeps."""
-    found: list[Tensor] = []
-
-    def visit(o: Any) -> None:
-        if isinstance(o, Tensor):
-            found.append(o)
-        elif isinstance(o, dict):
-            for v in o.values():
-                visit(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                visit(v)
-        elif isinstance(o, BucketedAllReduce):
-            visit(o.held_tensors())
-
-    visit(obj)
-    return found
 
 
 def agreed_buffer_ids(module: Module) -> set[int]:

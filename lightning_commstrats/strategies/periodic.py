@@ -48,10 +48,10 @@ from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.compression.sparse import check_sparse_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
 from lightning_commstrats.outer import OUTER_STATES, OuterFactory, OuterOptimizer, resolve_outer_optimizer
-from lightning_commstrats.sharding import local
+from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.sharding.checkpoint import global_state_dict
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
-from lightning_commstrats.strategies.base import CommStrategy, _to_cpu, tensors_in
+from lightning_commstrats.strategies.base import CommStrategy, _to_cpu
 
 log = logging.getLogger(__name__)
 
