@@ -10,12 +10,13 @@ What goes where:
   optimizer's state, an exchange in flight). Tensors that are flat vectors of a fragment's local
   shards are cut back into one DTensor per parameter, so that DCP can re-split them over another
   ``group_size`` or number of groups.
-- *per group* (keys ``g<k>/...``): the inner optimizers, each rank's local weights of a periodic
-  scheme, error-feedback residuals shaped like a parameter's shard: per-parameter DTensors too. On
-  another number of groups, group ``k`` resumes from old group ``k mod G_old``'s.
-- *per rank* (keys ``r<k>/...``): what only this rank's place in the layout gives a meaning to (the
-  stripes of a two-stage aggregation's second residual, a slow hop's residuals). Restored on the
-  same layout; on another one the scheme's ``resharded_rank_state`` rule applies (they restart).
+- *per group* (keys ``g<k>/...``): the inner optimizers and each rank's local weights of a periodic
+  scheme: per-parameter DTensors too. On another number of groups, group ``k`` resumes from old
+  group ``k mod G_old``'s.
+- *per rank* (keys ``r<k>/...``): every other tensor of a rank's state (error-feedback residuals,
+  whose shapes follow the rank's shard and the codec's stripes; a slow hop's residuals). Restored on
+  the same layout; on another one rank ``r`` reads its source rank's (the first of old group
+  ``k mod G_old``), and the scheme's ``resharded_rank_state`` rule drops the residuals.
 - everything else (counters, loops, callbacks, hyperparameters, 0-d tensors) is pickled in ``meta.pt``,
   and so are the other entries of the checkpoint (a Fabric checkpoint's model and optimizers: their
   DTensors per group, their plain tensors per rank).
@@ -43,6 +44,12 @@ META = "meta.pt"
 _PH = "__commstrats_dcp__"  # marks a placeholder in a skeleton
 
 
+def dtensor_zeros(shape: tuple, **kwargs: Any) -> Tensor:
+    from torch.distributed.tensor import zeros
+
+    return zeros(*shape, **kwargs)
+
+
 def _dtensor_like(shard: Tensor, param: Tensor) -> Tensor:
     """``shard`` (this rank's part, shaped like ``param``'s local shard) as a DTensor sharded as ``param``."""
     from torch.distributed.tensor import DTensor
@@ -68,13 +75,12 @@ class _Encoder:
         """``kind``: ``"shared"``/``"group"`` (a DTensor; ``wrapped``: made here from a local shard,
         handed back as one), ``"plain"`` (a tensor every rank holds alike) or ``"rank"`` (this rank's)."""
         self.items[key] = tensor
-        like = None
-        if kind in ("shared", "group"):  # a DTensor: the parameter whose sharding a template copies on load
-            like = next((n for n, p in self.params.items() if p.shape == tensor.shape), None)
+        # a DTensor: how it is split over a group, for a template on this or another layout's mesh
+        placements = tuple(tensor.placements) if kind in ("shared", "group") else None
         return {
             _PH: kind,
             "key": key,
-            "like": like,
+            "placements": placements,
             "wrapped": wrapped,
             "shape": tuple(tensor.shape),
             "dtype": tensor.dtype,
@@ -110,12 +116,10 @@ class _Encoder:
             names = fragments(path)
             if names is not None:
                 return self.split(f"{prefix}/{key}", obj, names, "shared" if scope == "shared" else "group")
-            name = path[-1] if path else None
             if plain:
                 return self.put(f"{prefix}/{key}", obj.detach().contiguous(), "plain")
-            p = self.params.get(name) if isinstance(name, str) else None
-            if p is not None and obj.shape == local(p).shape:  # a parameter's shard (a residual)
-                return self.put(f"{prefix}/{key}", _dtensor_like(obj, p), scope, wrapped=True)
+            # this rank's own (error-feedback residuals: their shapes follow the rank's shard and the
+            # codec's choices, which ranks of a group need not share); a scheme re-splits none of them
             return self.put(f"r{self.rank}/{key}", obj.detach().contiguous(), "rank")
         if isinstance(obj, dict):
             return {k: self.encode(v, f"{key}/{k}", scope, fragments, (*path, k), plain) for k, v in obj.items()}
@@ -230,10 +234,12 @@ def save(
     optimizers = enc.encode(checkpoint.get("optimizer_states", []), "optimizers", "group", lambda p: None)
     state = enc.encode(scheme["state"], "scheme", "shared", fragments)
     rank = enc.encode(scheme["rank"], "scheme_rank", "group", fragments)
-    if comm.rank == 0 and os.path.isdir(path):
-        shutil.rmtree(path)  # an older checkpoint under this name: its files would mix with these
+    # written beside, then put in place: an older checkpoint under this name stays whole until then
+    writing = f"{path}.writing"
+    if comm.rank == 0:
+        remove(writing)
     comm.barrier()
-    dcp.save(enc.items, checkpoint_id=path)
+    dcp.save(enc.items, checkpoint_id=writing)
     skeletons = comm.all_gather_object({"optimizers": optimizers, "rank": rank, "rest": others})
     if comm.rank == 0:
         meta = {
@@ -244,9 +250,9 @@ def save(
             "group_size": group_size,
             "ranks": skeletons,
         }
-        tmp = os.path.join(path, f"{META}.tmp")
-        torch.save(meta, tmp)
-        os.replace(tmp, os.path.join(path, META))  # the checkpoint exists from here
+        torch.save(meta, os.path.join(writing, META))  # the new checkpoint is complete from here
+        remove(path)
+        os.replace(writing, path)
     comm.barrier()
 
 
@@ -256,7 +262,7 @@ def load(
     """Collective. Read the checkpoint directory ``path``: the model and inner optimizers as Lightning
     loads them (in ``state_dict`` / ``optimizer_states``, DTensors on this layout), the scheme's
     entry (``state``, ``rank``, ``world_size``), and whether the layout (ranks and group size) is
-    the one it was saved with. On another layout the per-rank tensors are left out (``None``)."""
+    the one it was saved with."""
     import torch.distributed.checkpoint as dcp
 
     meta_path = os.path.join(path, META)
@@ -271,17 +277,16 @@ def load(
     group = comm.rank // group_size
     source = comm.rank if same else (group % old_groups) * meta["group_size"]
     mine = meta["ranks"][source]
-    params = dict(module.named_parameters())
     wanted: dict[str, Tensor] = {}
-    for ph in _placeholders([meta["model"], meta["state"], mine]):  # mine: its optimizers, rank state, rest
+    mesh = next(p.device_mesh for p in module.parameters() if is_dtensor(p))
+    # mine: the source rank's optimizers, rank state and the rest; on another layout its own entries
+    # come too (buffers a Fabric checkpoint holds), and the scheme's reshard rule drops what it must
+    for ph in _placeholders([meta["model"], meta["state"], mine]):
         if ph[_PH] in ("rank", "plain"):
-            if same or ph[_PH] == "plain":
-                wanted[ph["key"]] = torch.empty(ph["shape"], dtype=ph["dtype"])
-            continue
-        like = params.get(ph["like"]) if ph["like"] is not None else None
-        if like is None:
-            raise ValueError(f"{path}: {ph['key']} of shape {ph['shape']} matches no parameter of this model")
-        wanted[ph["key"]] = torch.zeros_like(like, dtype=ph["dtype"])
+            wanted[ph["key"]] = torch.empty(ph["shape"], dtype=ph["dtype"])
+        else:
+            placements = ph["placements"]
+            wanted[ph["key"]] = dtensor_zeros(ph["shape"], dtype=ph["dtype"], device_mesh=mesh, placements=placements)
     dcp.load(wanted, checkpoint_id=path)
     checkpoint = _decode(mine["rest"], wanted, device)
     checkpoint["state_dict"] = _decode(meta["model"], wanted, device)

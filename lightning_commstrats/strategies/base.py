@@ -830,6 +830,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if runs:
             self._nonfinite_names = []
             self.after_backward(optimizer)
+            self._nonfinite_names = self.agree_on_names(self._nonfinite_names)
             if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
                 runs = False
                 for group in optimizer.param_groups:  # the optimizer steps over nothing
@@ -861,6 +862,19 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def after_backward(self, optimizer: Optimizer) -> None:
         """Called once per optimizer step when this rank's gradients are complete (before clipping).
         An exchange whose average is not finite reports it with :meth:`report_nonfinite`."""
+
+    def agree_on_names(self, names: Sequence[str]) -> list[str]:
+        """Collective. ``names`` that this rank found (non-finite averages, disagreeing replicas), made
+        every rank's: with ``shard="fsdp"`` the ranks of a group check different shards, and a rank
+        that raised or skipped alone would leave the others waiting in FSDP2's next all-gather. One
+        4-byte all-reduce over all ranks, the names themselves only when some rank found any."""
+        if self.sharding is None or self.world_size == 1:
+            return list(names)
+        found = torch.tensor([1 if names else 0], dtype=torch.int32)
+        if int(self.host_comm.all_reduce(found, "max", tag="control").item()) == 0:
+            return []
+        every = self.host_comm.all_gather_object(list(names), tag="control")
+        return list(dict.fromkeys(name for mine in every for name in mine))
 
     def report_nonfinite(self, names: Sequence[str]) -> None:
         """Note parameters whose exchanged average of this step is not finite (every rank must
@@ -953,7 +967,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         moments = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in named.values()])
         every = self.replica_comm.all_gather(moments, tag="control")  # [ranks, tensors, 2]
         differs = (every != every[0]).any(-1)  # [ranks, tensors]
-        bad = [name for name, d in zip(named, differs.any(0).tolist(), strict=True) if d]
+        bad = self.agree_on_names([name for name, d in zip(named, differs.any(0).tolist(), strict=True) if d])
         if bad:
             ranks = [r for r in range(self.replica_comm.world_size) if bool(differs[r].any())]
             shown = _some_names(bad)

@@ -553,6 +553,7 @@ class PeriodicSyncStrategy(CommStrategy):
         if pending.took_part == 0:  # every replica of the quorum was taking the run's state: nothing to step with
             self.load_flat(self.outer.start_point(f), f)
             return
+        pending.nonfinite = self.agree_on_names(pending.nonfinite or [])
         if pending.nonfinite and self.handle_nonfinite(pending.nonfinite, f"pseudo-gradients (fragment {f})"):
             # the block is discarded on every rank: no outer step, the fragment restarts from the global model
             self.load_flat(self.outer.start_point(f), f)

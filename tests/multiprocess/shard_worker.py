@@ -15,7 +15,8 @@ name), ``kwargs``, ``max_steps``, ``batch_size``, ``merge``
 (this rank trains on the batches of ranks ``merge * r .. merge * r + merge - 1`` concatenated: the
 unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optimizer`` ("sgd" or
 "adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir`` / ``resume_dir``,
-``dims``, ``model`` (``"tied"``, default, or ``"gpt2"``: Hugging Face's GPT-2), ``epoch_steps`` (batches per
+``nan_at`` ([step, rank]: a NaN in that rank's embedding gradient shard), ``dims``, ``model`` (``"tied"``,
+default, or ``"gpt2"``: Hugging Face's GPT-2), ``epoch_steps`` (batches per
 epoch: a checkpoint at an epoch's end resumes on the same data).
 """
 
@@ -144,6 +145,17 @@ class Record(L.Callback):
             self.steps.append({n: local(p).detach().cpu().clone() for n, p in pl_module.named_parameters()})
 
 
+class NaNShard(L.Callback):
+    """A NaN in this rank's shard of the embedding's gradient at one step (``nan_at``: [step, rank])."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            local(pl_module.emb.weight.grad).view(-1)[0] = float("nan")
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if is_dtensor(t) else t).detach().cpu().clone()
 
@@ -154,6 +166,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
     record = Record(bool(sc.get("trace")))
     callbacks: list[L.Callback] = [record]
+    if sc.get("nan_at"):
+        callbacks.append(NaNShard(*sc["nan_at"]))
     if sc.get("ckpt_every"):
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -200,6 +214,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         "stats": strategy.comm_stats.snapshot().as_dict(),
         "memory": strategy.memory_stats(),
         "sync_history": list(getattr(strategy, "sync_history", [])),
+        "optimizer_steps": strategy.optimizer_steps,
         "sharded": all(is_dtensor(p) for p in model.parameters()),
     }
     return trainer.global_rank, result

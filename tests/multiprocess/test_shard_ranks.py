@@ -213,3 +213,16 @@ def test_a_hugging_face_gpt2_trains_sharded_as_it_does_unsharded():
         assert all(run["local_numel"][n] * 2 == n_full for n, n_full in run["full_numel"].items())
         for name, whole in reference[0]["g"]["final"].items():
             torch.testing.assert_close(run["final"][name], whole, atol=ATOL, rtol=0, msg=name)
+
+
+def test_a_nan_in_one_ranks_shard_is_every_ranks_decision():
+    # rank 1's shard alone holds the NaN (its group's partner and the other group average theirs):
+    # every rank of the run skips that step, none trains on while the others wait or diverge
+    kw = {**SHARD, "nonfinite": "skip"}
+    scenarios = {"ar": {"strategy": "allreduce", "kwargs": kw, "max_steps": 6, "nan_at": [2, 1], "trace": True}}
+    results = run_ranks({"scenarios": scenarios}, 4, script=WORKER)
+    assert [r["ar"]["optimizer_steps"] for r in results] == [5, 5, 5, 5]
+    for i in (0, 1):
+        for a, b in zip(results[i]["ar"]["steps"], results[i + 2]["ar"]["steps"], strict=True):
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
