@@ -44,6 +44,8 @@ def test_bad_shard_settings_fail_at_construction():
         lc.DiLoCoStrategy(sync_period=4, outer_state="gpu")
     with pytest.raises(ValueError, match="shard_policy got unknown setting"):
         lc.DiLoCoStrategy(sync_period=4, shard="fsdp", shard_policy={"unit": ["Block"]})
+    with pytest.raises(ValueError, match="shard_policy is given without shard"):
+        lc.AllReduceStrategy(shard_policy={"min_unit_numel": 1})
     with pytest.raises(ValueError, match="min_unit_numel must be an int >= 1"):
         ShardPolicy(min_unit_numel=0)
     with pytest.raises(ValueError, match="module classes, class names or name patterns"):

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_commstrats.comm import Communicator
-from lightning_commstrats.comm.torch_dist import destroy_process_group
+from lightning_commstrats.comm.torch_dist import TorchCommunicator, destroy_process_group
 from lightning_commstrats.compression.hierarchical import group_layout
 from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
 
@@ -66,10 +66,14 @@ def check_shard(shard: Any, owner: str, supported: bool, backend: str = "auto") 
         )
 
 
-def is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
+try:  # looked up once: local() runs per tensor on the hot path of unsharded runs too
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch without distributed support
+    _DTensor = None
 
-    return isinstance(t, DTensor)
+
+def is_dtensor(t: Any) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def local(t: Tensor) -> Tensor:
@@ -125,7 +129,12 @@ class Sharding:
         self.num_groups, self.group, self.index = comm.world_size // size, comm.rank // size, comm.rank % size
         self.mesh = init_device_mesh(device.type, (self.num_groups, size), mesh_dim_names=("replicate", "shard"))
         self._across = across
-        self.cross = comm.new_subgroups(across) if self.num_groups > 1 else _single(comm)
+        if self.num_groups > 1:  # the mesh's own groups of rank i of every group, not another set of them
+            self.cross = TorchCommunicator(
+                self.mesh.get_group("replicate"), stats=comm.stats, heartbeat=comm.heartbeat, device=comm.device
+            )
+        else:
+            self.cross = _single(comm)
 
     def cross_channel(self, comm: Communicator, *, host: bool) -> Communicator:
         """Another cross-group channel, for a background exchange (collective, as :meth:`connect`):

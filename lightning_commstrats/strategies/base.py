@@ -232,6 +232,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 f"verify_sync_action={verify_sync_action!r} is not supported; choose one of ('raise', 'warn')"
             )
         check_shard(shard, type(self).__name__, self.supports_shard, backend)
+        if shard_policy is not None and shard is None:
+            raise ValueError("shard_policy is given without shard: pass shard='fsdp' too, or no shard_policy")
         self.sharding = Sharding(group_size or "node", shard_policy) if shard is not None else None
         self.shard = shard
         self.group_size = group_size
@@ -283,7 +285,13 @@ class CommStrategy(RankDevices, ParallelStrategy):
                     f"{type(self).__name__} runs on accelerator='cpu' or 'cuda', got accelerator="
                     f"{type(accelerator).__name__}"
                 )
-            resolve_backend(self._backend, "cuda" if isinstance(accelerator, CUDAAccelerator) else "cpu")
+            cuda = isinstance(accelerator, CUDAAccelerator)
+            resolve_backend(self._backend, "cuda" if cuda else "cpu")
+            if cuda and self.shard is not None and self._backend == "gloo":
+                raise ValueError(
+                    f"shard={self.shard!r} on CUDA needs backend='nccl' (or 'auto'): FSDP2's collectives move"
+                    " CUDA tensors, which gloo does not reduce-scatter"
+                )
         self._accelerator = accelerator
 
     @property
