@@ -201,6 +201,7 @@ def test_fabric_trains_sharded_as_the_trainer_does_and_resumes_bit_for_bit():
 
 
 def test_a_hugging_face_gpt2_trains_sharded_as_it_does_unsharded():
+    pytest.importorskip("transformers", reason="the [hf] extra: pip install -e '.[hf]'")
     # transformers' GPT-2 (lm_head tied to wte): its blocks are units, the tie stays with the root
     scenario = {"strategy": "diloco", "model": "gpt2", "max_steps": 8, "optimizer": "sgd"}
     sharded = run_ranks({"scenarios": {"g": {**scenario, "kwargs": {**STEPS, **SHARD}}}}, 4, script=WORKER)
