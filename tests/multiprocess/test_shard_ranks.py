@@ -181,6 +181,7 @@ def test_checkpoint_mid_block_resumes_bit_for_bit_and_onto_other_layouts():
         )
 
 
+@pytest.mark.slow  # three 4-rank runs in one launch, about a minute: make test-all
 def test_fabric_trains_sharded_as_the_trainer_does_and_resumes_bit_for_bit():
     kw = {"sync_period": 3, "sync_period_unit": "steps", "pseudo_grad_bits": 4, "small_tensor_numel": 0, **SHARD}
     scenarios = {
