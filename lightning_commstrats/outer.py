@@ -33,6 +33,8 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
+from lightning_commstrats.buckets import visit
+
 OuterFactory = Callable[[list[Parameter]], Optimizer]
 
 
@@ -228,6 +230,12 @@ def resolve_outer_optimizer(
 OUTER_STATES = ("host", "device")
 
 
+def check_outer_state(outer_state: Any) -> None:
+    """``outer_state`` must be one of :data:`OUTER_STATES`."""
+    if outer_state not in OUTER_STATES:
+        raise ValueError(f"outer_state={outer_state!r} is not supported; choose one of {OUTER_STATES}")
+
+
 class OuterOptimizer:
     """The global copy of the weights (flat float32, one tensor per fragment) and its outer optimizer.
 
@@ -248,12 +256,11 @@ class OuterOptimizer:
     """
 
     def __init__(self, factory: OuterFactory, device: torch.device | None = None, placement: str = "device") -> None:
-        if placement not in OUTER_STATES:
-            raise ValueError(f"outer_state={placement!r} is not supported; choose one of {OUTER_STATES}")
+        check_outer_state(placement)
         self.factory = factory
         self.device = device
         self.home = torch.device("cpu") if placement == "host" and device is not None else device
-        self.pinned = self.home is not None and self.home.type == "cpu" and device is not None and device.type == "cuda"
+        self.pinned = placement == "host" and device is not None and device.type == "cuda"
         self.weights: list[Parameter] = []
         self.optimizer: Optimizer | None = None
         self.syncs: list[int] = []
@@ -275,9 +282,7 @@ class OuterOptimizer:
 
     def _visit(self, t: Tensor) -> Tensor:
         """``t`` on the training device (a copy of one fragment when the state is on the host)."""
-        if self.device is None or t.device == self.device:
-            return t
-        return t.to(self.device, non_blocking=self.pinned)  # from pinned memory: ordered on this stream
+        return t if self.device is None else visit(t, self.device)
 
     def global_weights(self, fragment: int) -> Tensor:
         """The global model of ``fragment`` (what validation and checkpoints see), on the training device."""

@@ -15,7 +15,6 @@ from lightning_commstrats.sharding.layout import (
     fsdp_available,
     is_dtensor,
     local,
-    local_grad,
 )
 from lightning_commstrats.sharding.memory import KINDS, format_memory, memory_by_kind, tensors_in, total_bytes
 from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
@@ -31,7 +30,6 @@ __all__ = [
     "fsdp_available",
     "is_dtensor",
     "local",
-    "local_grad",
     "memory_by_kind",
     "tensors_in",
     "total_bytes",

@@ -71,9 +71,9 @@ class _Encoder:
         self.params, self.group, self.rank = params, group, rank
         self.items: dict[str, Tensor] = {}
 
-    def put(self, key: str, tensor: Tensor, kind: str, wrapped: bool = False) -> dict[str, Any]:
-        """``kind``: ``"shared"``/``"group"`` (a DTensor; ``wrapped``: made here from a local shard,
-        handed back as one), ``"plain"`` (a tensor every rank holds alike) or ``"rank"`` (this rank's)."""
+    def put(self, key: str, tensor: Tensor, kind: str) -> dict[str, Any]:
+        """``kind``: ``"shared"``/``"group"`` (a DTensor), ``"plain"`` (a tensor every rank holds alike)
+        or ``"rank"`` (this rank's)."""
         self.items[key] = tensor
         # a DTensor: how it is split over a group, for a template on this or another layout's mesh
         placements = tuple(tensor.placements) if kind in ("shared", "group") else None
@@ -81,7 +81,6 @@ class _Encoder:
             _PH: kind,
             "key": key,
             "placements": placements,
-            "wrapped": wrapped,
             "shape": tuple(tensor.shape),
             "dtype": tensor.dtype,
         }
@@ -92,7 +91,7 @@ class _Encoder:
         for name in names:
             p = self.params[name]
             n = local(p).numel()
-            out[name] = self.put(f"{key}/{name}", _dtensor_like(flat[offset : offset + n], p), scope, wrapped=True)
+            out[name] = self.put(f"{key}/{name}", _dtensor_like(flat[offset : offset + n], p), scope)
             offset += n
         return {_PH: "split", "parts": out, "dtype": flat.dtype}
 
@@ -110,12 +109,12 @@ class _Encoder:
         prefix = "s" if scope == "shared" else f"g{self.group}"
         if isinstance(obj, Tensor):
             if is_dtensor(obj):
-                return self.put(f"{prefix}/{key}", obj, "shared" if scope == "shared" else "group")
+                return self.put(f"{prefix}/{key}", obj, scope)
             if obj.dim() == 0:
                 return obj.detach().cpu().clone()
             names = fragments(path)
             if names is not None:
-                return self.split(f"{prefix}/{key}", obj, names, "shared" if scope == "shared" else "group")
+                return self.split(f"{prefix}/{key}", obj, names, scope)
             if plain:
                 return self.put(f"{prefix}/{key}", obj.detach().contiguous(), "plain")
             # this rank's own (error-feedback residuals: their shapes follow the rank's shard and the
@@ -161,9 +160,8 @@ def _decode(skeleton: Any, loaded: dict[str, Tensor], device: torch.device) -> A
             t = loaded.get(skeleton["key"])
             if t is None:
                 return None
-            if kind in ("rank", "plain"):
-                return t.to(device)
-            return local(t) if skeleton["wrapped"] else t
+            # a DTensor stays one (a split's parts are put back together from their local shards)
+            return t.to(device) if kind in ("rank", "plain") else t
         return {k: _decode(v, loaded, device) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
         return [_decode(v, loaded, device) for v in skeleton]

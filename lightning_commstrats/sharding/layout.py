@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -82,13 +81,6 @@ def local(t: Tensor) -> Tensor:
         with torch.no_grad():
             return t.to_local()
     return t
-
-
-def local_grad(p: Tensor) -> Tensor:
-    """This rank's part of ``p.grad`` (zeros when ``p`` got none)."""
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return local(p.grad)
 
 
 class Sharding:
@@ -170,25 +162,6 @@ class Sharding:
             return
         self.units = apply_fsdp(module, self.shard_mesh, self.policy)
         log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
-
-    def broadcast_replicas(self, module: nn.Module, comm: Communicator) -> None:
-        """Every group starts from group 0's weights: the local shards across the groups, the
-        buffers (not sharded) from rank 0 over all ranks (tag ``"setup"``)."""
-        assert self.cross is not None
-        with torch.no_grad():
-            for p in module.parameters():
-                shard = local(p)
-                if shard.numel():
-                    self.cross.broadcast(shard.data, 0, tag="setup")
-            for b in module.buffers():
-                if b.is_contiguous():
-                    comm.broadcast(b.data, 0, tag="setup")
-                else:
-                    b.copy_(comm.broadcast(b.detach().contiguous(), 0, tag="setup"))
-
-    @staticmethod
-    def local_tensors(tensors: Iterable[Tensor]) -> list[Tensor]:
-        return [local(t) for t in tensors]
 
 
 def _single(comm: Communicator) -> Communicator:

@@ -474,10 +474,13 @@ class CommStrategy(RankDevices, ParallelStrategy):
         """Every rank starts from rank 0's weights, as DDP does when it wraps a model (sharded: every
         group from group 0's shards)."""
         assert self.model is not None
-        if self.sharding is not None:
-            self.sharding.broadcast_replicas(self.model, self.comm)
-        else:
+        if self.sharding is None:
             self.broadcast_module(self.model)
+            return
+        # rank i of every group holds the same chunks as rank i of group 0; buffers are not sharded
+        shards = [s for s in map(local, self.model.parameters()) if s.numel()]
+        broadcast_tensors(shards, self.replica_comm)
+        broadcast_tensors(list(self.model.buffers()), self.comm)
 
     @property
     def replica_comm(self) -> Communicator:
@@ -511,12 +514,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
 
     def broadcast_module(self, module: Module, src: int = 0) -> None:
         """Overwrite every parameter and buffer of ``module`` with rank ``src``'s (tag ``"setup"``)."""
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                if t.is_contiguous():
-                    self.comm.broadcast(t.data, src, tag="setup")
-                else:
-                    t.copy_(self.comm.broadcast(t.detach().contiguous(), src, tag="setup"))
+        broadcast_tensors([*module.parameters(), *module.buffers()], self.comm, src)
 
     @override
     def model_to_device(self) -> None:
@@ -1052,6 +1050,16 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().split("\n")[0])
+
+
+def broadcast_tensors(tensors: Sequence[Tensor], comm: Communicator, src: int = 0) -> None:
+    """Overwrite ``tensors`` in place with rank ``src``'s of ``comm`` (tag ``"setup"``)."""
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_contiguous():
+                comm.broadcast(t.data, src, tag="setup")
+            else:
+                t.copy_(comm.broadcast(t.detach().contiguous(), src, tag="setup"))
 
 
 def agreed_buffer_ids(module: Module) -> set[int]:

@@ -47,7 +47,7 @@ from lightning_commstrats.compression.exchange import SCALES, TensorExchange, ch
 from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.compression.sparse import check_sparse_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
-from lightning_commstrats.outer import OUTER_STATES, OuterFactory, OuterOptimizer, resolve_outer_optimizer
+from lightning_commstrats.outer import OuterFactory, OuterOptimizer, check_outer_state, resolve_outer_optimizer
 from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.sharding.checkpoint import global_state_dict
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
@@ -202,8 +202,7 @@ class PeriodicSyncStrategy(CommStrategy):
         **kwargs: Any,
     ) -> None:
         check_period(sync_period, sync_period_unit)
-        if outer_state not in OUTER_STATES:
-            raise ValueError(f"outer_state={outer_state!r} is not supported; choose one of {OUTER_STATES}")
+        check_outer_state(outer_state)
         ft = FaultTolerance.of(fault_tolerance)
         if ft is not None and kwargs.get("shard") is not None:
             raise ValueError(
