@@ -190,14 +190,16 @@ def replica_package(spec: dict[str, Any], log: Events) -> None:
         fault_tolerance=config,
     )
 
-    original_average = strategy._replica_average
+    from lightning_commstrats import replicas as rp
 
-    def replica_average(pending: Any, first: Any = None) -> Any:
-        out = original_average(pending, first)
+    original_average = rp.ReplicaGroup.average
+
+    def replica_average(self: Any, pending: Any, host: Any, first: Any = None) -> Any:
+        out = original_average(self, pending, host, first)
         state["contributes"] = bool(pending.contributes)
         return out
 
-    strategy._replica_average = replica_average
+    rp.ReplicaGroup.average = replica_average
     original_after_sync = strategy.after_sync
 
     def after_sync(fragment: int) -> None:
@@ -206,7 +208,7 @@ def replica_package(spec: dict[str, Any], log: Events) -> None:
             "commit",
             round=strategy.optimizer_steps // h,
             optimizer_steps=strategy.optimizer_steps,
-            ft_step=strategy._replica.step if strategy._replica is not None else None,
+            ft_step=strategy.replicas.sync.step if strategy.replicas.sync is not None else None,
             contributes=state["contributes"],
             quorum=state["quorum"],
             local_steps=state["local_steps"],

@@ -74,7 +74,7 @@ def import_torchft() -> Any:
 @dataclass
 class FaultTolerance:
     """Fault-tolerance settings of a periodic scheme (``fault_tolerance=`` of ``model_averaging``,
-    ``bmuf``, ``diloco``, ``streaming_diloco``, :class:`~lightning_commstrats.PeriodicSyncStrategy`).
+    ``bmuf``, ``diloco``, ``streaming_diloco``, ``sparseloco``, :class:`~lightning_commstrats.PeriodicSyncStrategy`).
 
     Args:
         lighthouse: the Lighthouse's address, such as ``"http://host:29510"``
@@ -240,10 +240,11 @@ class Quorum:
 
 
 class ReplicaSync:
-    """A replica's membership in the run: its torchft ``Manager`` and the process group across replicas.
+    """One rank's torchft ``Manager`` and its process group across replicas (rank ``i`` of every replica).
 
-    Held by the replica's rank 0 alone, which speaks for its replica (one member of the quorum per
-    replica; the replica's other ranks follow it over their own process group).
+    Every rank of a replica holds one (:class:`~lightning_commstrats.replicas.ReplicaGroup` makes
+    them); the replica's rank 0 hosts the Manager server that speaks to the Lighthouse for the whole
+    replica, so that a quorum and a commit are decided for all its ranks together.
 
     Args:
         config: the settings.
@@ -253,6 +254,8 @@ class ReplicaSync:
         stats: the statistics the cross-replica collectives charge.
         host: exchange through host memory (torchft's gloo group, CUDA tensors staged through
             host copies) also on CUDA: for an exchange issued from a background thread.
+        rank: this rank in its replica. world_size: the replica's ranks.
+        store: ``(host, port)`` of the replica's rendezvous store (made by its rank 0).
     """
 
     def __init__(
@@ -263,19 +266,19 @@ class ReplicaSync:
         stats: CommStats,
         *,
         host: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        store: tuple[str, int],
     ) -> None:
         torchft = import_torchft()
-        from torch.distributed import TCPStore
-
         check_lighthouse(config)
         self.config = config
         self.device = device
         self.host = host or device.type != "cuda"
         self.stats = stats
         self._received: dict[str, Any] | None = None
+        self.closed = False
         timeout = timedelta(seconds=config.timeout)
-        # the replica's own rendezvous store for torchft (the Manager's address, the quorums' keys)
-        self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
         # NCCL on CUDA, unless the exchange runs in a background thread (``host``): then gloo, the
         # tensors staged through host memory, so that thread never issues an NCCL collective beside
         # the replica's own (its per-step gradient all-reduce)
@@ -295,10 +298,10 @@ class ReplicaSync:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout),
             connect_timeout=timedelta(seconds=config.connect_timeout),
-            rank=0,
-            world_size=1,
-            store_addr=hostname,
-            store_port=self._store.port,
+            rank=rank,
+            world_size=world_size,
+            store_addr=store[0],
+            store_port=store[1],
             lighthouse_addr=config.lighthouse,
             replica_id=config.replica_id,
             hostname=hostname,
@@ -325,14 +328,20 @@ class ReplicaSync:
         # has moved this replica's step on and will not send it again
         self._received = None
         while True:
-            left = deadline - time.monotonic()
+            if self.closed:
+                raise RuntimeError(f"replica {config.replica_id!r} has left the run (its Manager is shut down)")
+            began = time.monotonic()
+            renew = max(min(config.quorum_renew_interval, deadline - began), 0.1)
             try:
-                self.manager.start_quorum(timeout=timedelta(seconds=max(min(config.quorum_renew_interval, left), 0.1)))
+                self.manager.start_quorum(timeout=timedelta(seconds=renew))
             except Exception as err:
                 # No quorum yet (or the Lighthouse is away): renew the request, so that the Lighthouse's
                 # join timeout counts from now (see quorum_renew_interval). torchft keeps the failed
                 # request's future and re-raises its error at the next start: drop it.
                 self.manager._quorum_future = None
+                # a request that failed at once (the Lighthouse or the Manager server is gone) is
+                # renewed at the same pace as one that waited, not in a busy loop
+                time.sleep(max(0.0, min(renew - (time.monotonic() - began), deadline - time.monotonic())))
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"no quorum of fault_tolerance.min_replicas={config.min_replicas} replica(s) formed at"
@@ -361,7 +370,10 @@ class ReplicaSync:
         return bool(self.manager.should_commit(timeout=timedelta(seconds=self.config.timeout)))
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        """Leave the run (idempotent; safe from another thread: a call waiting in the Manager fails)."""
+        if not self.closed:
+            self.closed = True
+            self.manager.shutdown(wait=False)
 
 
 def _advertised_http_transport(hostname: str, timeout: timedelta) -> Any:

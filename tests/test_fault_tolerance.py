@@ -166,21 +166,21 @@ def test_lighthouse_command_refuses_bad_arguments(capsys):
 def test_fingerprint_tells_models_apart_by_their_bits_whatever_the_chunking(monkeypatch):
     import torch
 
-    from lightning_commstrats.strategies import periodic
+    from lightning_commstrats import replicas
 
     g = torch.Generator().manual_seed(0)
     model = [torch.randn(1000, generator=g), torch.randn(37, generator=g)]
-    base = periodic.fingerprint(model)
-    assert torch.equal(base, periodic.fingerprint([t.clone() for t in model]))
+    base = replicas.fingerprint(model)
+    assert torch.equal(base, replicas.fingerprint([t.clone() for t in model]))
     # one value one ulp away, two values swapped, a zero's sign: all seen
     nudged = [model[0].clone(), model[1]]
     nudged[0][500] = torch.nextafter(nudged[0][500], torch.tensor(float("inf")))
     swapped = [model[0].clone(), model[1]]
     swapped[0][[3, 4]] = swapped[0][[4, 3]]
     for other in (nudged, swapped):
-        assert not torch.equal(base, periodic.fingerprint(other))
-    assert not torch.equal(periodic.fingerprint([torch.zeros(3)]), periodic.fingerprint([-torch.zeros(3)]))
+        assert not torch.equal(base, replicas.fingerprint(other))
+    assert not torch.equal(replicas.fingerprint([torch.zeros(3)]), replicas.fingerprint([-torch.zeros(3)]))
     # the same bits cut into other chunks, or into other tensors, give the same fingerprint
-    monkeypatch.setattr(periodic, "FINGERPRINT_CHUNK", 7)
-    assert torch.equal(base, periodic.fingerprint(model))
-    assert torch.equal(base, periodic.fingerprint([torch.cat(model)[:400], torch.cat(model)[400:]]))
+    monkeypatch.setattr(replicas, "FINGERPRINT_CHUNK", 7)
+    assert torch.equal(base, replicas.fingerprint(model))
+    assert torch.equal(base, replicas.fingerprint([torch.cat(model)[:400], torch.cat(model)[400:]]))

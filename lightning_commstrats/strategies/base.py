@@ -189,8 +189,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if "fault_tolerance" in unknown:
             raise ValueError(
                 f"{type(self).__name__} cannot honour fault_tolerance: only the periodic schemes (model_averaging,"
-                " bmuf, diloco, streaming_diloco, PeriodicSyncStrategy) survive replicas that die and rejoin; a"
-                " scheme that exchanges every step needs every rank at every step"
+                " bmuf, diloco, streaming_diloco, sparseloco, PeriodicSyncStrategy) survive replicas that die and"
+                " rejoin; a scheme that exchanges every step needs every rank at every step"
             )
         if unknown:
             raise TypeError(
@@ -874,13 +874,18 @@ class CommStrategy(RankDevices, ParallelStrategy):
         every rank's: with ``shard="fsdp"`` the ranks of a group check different shards, and a rank
         that raised or skipped alone would leave the others waiting in FSDP2's next all-gather. One
         4-byte all-reduce over all ranks, the names themselves only when some rank found any."""
-        if self.sharding is None or self.world_size == 1:
+        if not self.ranks_check_apart or self.world_size == 1:
             return list(names)
         found = torch.tensor([1 if names else 0], dtype=torch.int32)
         if int(self.host_comm.all_reduce(found, "max", tag="control").item()) == 0:
             return []
         every = self.host_comm.all_gather_object(list(names), tag="control")
         return list(dict.fromkeys(name for mine in every for name in mine))
+
+    @property
+    def ranks_check_apart(self) -> bool:
+        """Whether the ranks check different tensors for :meth:`agree_on_names` (their shards)."""
+        return self.sharding is not None
 
     def report_nonfinite(self, names: Sequence[str]) -> None:
         """Note parameters whose exchanged average of this step is not finite (every rank must

@@ -30,7 +30,7 @@ import logging
 import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,12 +46,13 @@ from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import SCALES, TensorExchange, check_exchange_args
 from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.compression.sparse import check_sparse_args
-from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, import_torchft, run_attempts
+from lightning_commstrats.fault_tolerance import FaultTolerance, import_torchft
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, check_outer_state, resolve_outer_optimizer
+from lightning_commstrats.replicas import ReplicaGroup, flat_buffers, load_buffers
 from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.sharding.checkpoint import global_state_dict
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
-from lightning_commstrats.strategies.base import CommStrategy, _to_cpu
+from lightning_commstrats.strategies.base import CommStrategy
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ UNITS = ("samples", "steps")
 PSEUDO_GRAD_BITS = (2, 4, 8, 16, 32)
 # First-moment buffers of the common optimizers: SGD's momentum and Adam's exp_avg.
 MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
-FINGERPRINT_CHUNK = 1 << 22  # values per pass of the global model's fingerprint (48 MiB of scratch)
 
 
 @dataclass
@@ -76,6 +76,7 @@ class _Exchange:
     took_part: int = 1  # fault tolerance: replicas whose block the average holds (0: no outer step)
     healed: dict[str, Any] | None = None  # fault tolerance: the shared state received at this sync, to adopt
     launched: Tensor | None = None  # keep_local_progress: this rank's local weights of the fragment at the launch
+    buffers: Tensor | None = None  # fault tolerance: the module's float buffers, averaged across replicas too
 
 
 OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
@@ -204,11 +205,6 @@ class PeriodicSyncStrategy(CommStrategy):
         check_period(sync_period, sync_period_unit)
         check_outer_state(outer_state)
         ft = FaultTolerance.of(fault_tolerance)
-        if ft is not None and kwargs.get("shard") is not None:
-            raise ValueError(
-                f"fault_tolerance with shard={kwargs['shard']!r} is not supported yet: a fault-tolerant replica"
-                " exchanges through its rank 0; use shard=None with fault_tolerance"
-            )
         if ft is not None:
             import_torchft()  # without the [ft] extra: the install hint now
             if sync_period_unit != "steps":
@@ -289,10 +285,16 @@ class PeriodicSyncStrategy(CommStrategy):
         self.fragment_update_alpha = fragment_update_alpha
         self.keep_local_progress = keep_local_progress
         self.fault_tolerance = ft
+        if ft is not None and ft.quorum_timeout >= self._timeout.total_seconds():
+            # the replica's ranks wait together for a quorum; a rank held longer than the collective
+            # timeout would make a peer's collective fail instead of the quorum's clear error
+            raise ValueError(
+                f"fault_tolerance.quorum_timeout={ft.quorum_timeout} s must be below timeout="
+                f"{self._timeout.total_seconds():.0f} s (the collectives of the replica's ranks)"
+            )
         self.outer_state = outer_state
-        self._replica: ReplicaSync | None = None  # the replica's torchft membership (its rank 0 only)
-        self._relay: Communicator | None = None  # the replica's ranks, for what its rank 0 decided
-        self._shared: dict[str, Any] | None = None  # what a healing peer receives (snapshot of the last sync)
+        # this replica's membership in a fault-tolerant run (every rank's torchft Manager)
+        self.replicas: ReplicaGroup | None = None if ft is None else ReplicaGroup(ft)
         self.started = False  # past the warm start
         self.outer: OuterOptimizer | None = None
         self._block_start: list[int] = []  # progress when each fragment's current block began
@@ -451,8 +453,12 @@ class PeriodicSyncStrategy(CommStrategy):
         super().on_train_start()  # restores a checkpoint's state first
         if not self.started and self.parallelization_start == 0:
             self._start()
-        if self.fault_tolerance is not None:
-            self._first_quorum()
+        if self.replicas is not None:
+            if self._inflight is not None:
+                # an exchange restored from this replica's checkpoint (already averaged and committed):
+                # applied now, before the run's state is agreed, so that none is in flight across it
+                self._apply()
+            self.replicas.first_quorum(self)
         self._schedule_checked = False
 
     @override
@@ -501,8 +507,10 @@ class PeriodicSyncStrategy(CommStrategy):
         pending = _Exchange(fragment, self.optimizer_steps, self.optimizer_steps + delay, grad)
         if self.keep_local_progress and delay:
             pending.launched = local
-        if self.fault_tolerance is not None:
-            self._shared = self._shared_state(pending)  # read by a healing peer during this sync's quorum
+        if self.replicas is not None:
+            if fragment == self.num_fragments - 1:  # once per period: the buffers travel with the last fragment
+                pending.buffers = self._buffer_snapshot()
+            self.replicas.set_offer(self.replica_state(pending))  # read by a healing peer in this sync's quorum
         if background and (self.replica_comm.world_size > 1 or self.fault_tolerance is not None):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
@@ -546,7 +554,7 @@ class PeriodicSyncStrategy(CommStrategy):
         pending, self._inflight = self._inflight, None
         assert pending is not None
         if pending.healed is not None:  # this replica healed at this sync: it takes the run's state first
-            self._adopt(pending.healed)
+            self.adopt(pending.healed)
         assert self.outer is not None
         f = pending.fragment
         if pending.took_part == 0:  # every replica of the quorum was taking the run's state: nothing to step with
@@ -571,7 +579,10 @@ class PeriodicSyncStrategy(CommStrategy):
                 reset_momentum(optimizer, ids)
         self.sync_history.append((f, pending.started_at, self.optimizer_steps))
         self.after_sync(f)
-        if f == self.num_fragments - 1:  # once per period: running statistics averaged as the weights are
+        if pending.buffers is not None:  # averaged across replicas with this fragment
+            assert self.lightning_module is not None
+            load_buffers(pending.buffers, list(self.lightning_module.buffers()))
+        elif f == self.num_fragments - 1:  # once per period: running statistics averaged as the weights are
             self.sync_buffers(tag="weights")
 
     def after_sync(self, fragment: int) -> None:
@@ -615,53 +626,54 @@ class PeriodicSyncStrategy(CommStrategy):
     @override
     def release_resources(self) -> None:
         # also when fit stopped on an error: the Manager's heartbeats would keep the replica alive
-        if self._replica is not None:
-            self._replica.shutdown()
-            self._replica = None
+        if self.replicas is not None:
+            self.replicas.leave()
         super().release_resources()
 
     # ------------------------------------------------------------------ fault tolerance across replicas
 
     def _join_replicas(self) -> None:
-        """Connect this replica to the run: its rank 0 starts the torchft Manager (and checks the
-        Lighthouse); the other ranks learn whether that worked, so that none waits for ever."""
-        assert self.fault_tolerance is not None
-        self._relay = self._background_channel() if self.fragment_sync_delay and self.world_size > 1 else self.comm
-        failure = None
-        if self.global_rank == 0 and self._replica is None:
-            try:
-                self._replica = ReplicaSync(
-                    self.fault_tolerance,
-                    self.root_device,
-                    self._heal_source,
-                    self.comm.stats,
-                    host=self.fragment_sync_delay > 0,  # a background exchange: no NCCL from its thread
-                )
-            except (ConnectionError, OSError, RuntimeError) as err:
-                failure = f"{type(err).__name__}: {err}"
-        failure = self.comm.broadcast_object(failure, 0)
-        if failure is not None:
-            raise ConnectionError(f"replica {self.fault_tolerance.replica_id!r} could not join the run: {failure}")
+        """Every rank of this replica joins the run (its own torchft Manager, its own process group with
+        the same rank of the other replicas); the replica's ranks learn together whether that worked."""
+        assert self.replicas is not None
+        host = self.fragment_sync_delay > 0  # a background exchange: host memory, no NCCL from its thread
+        relay = self._background_channel() if host and self.world_size > 1 else self.comm
+        holders = self.replica_comm  # the ranks of this replica that hold the same tensors as this one
+        if host and holders.world_size > 1 and holders is not self.comm:
+            assert self.sharding is not None
+            holders = self.sharding.cross_channel(self.comm, host=self.root_device.type == "cuda")
+        elif host and holders.world_size > 1:
+            holders = relay
+        self.replicas.join(self.comm, relay, holders, self.root_device, self.comm.stats, host=host)
 
-    def _heal_source(self) -> dict[str, Any]:
-        """What a healing peer receives (torchft calls this in its quorum thread): the snapshot taken
-        when this sync began; its tensors (the global model, the outer optimizer's state) change only
-        once the sync has committed, after every healing peer has taken them."""
-        assert self._shared is not None, "a peer asked to heal from a replica that has not synced"
-        return self._shared
+    @property
+    @override
+    def ranks_check_apart(self) -> bool:
+        # across replicas every rank exchanges its own slice (or shard) of the pseudo-gradient
+        return super().ranks_check_apart or self.replicas is not None
 
-    def _shared_state(self, pending: _Exchange | None) -> dict[str, Any]:
-        """The state every replica shares: the global model and outer optimizer, the schedule, the
-        step count, the learning-rate schedules (the schedulers and the inner optimizers'
-        hyperparameters); and the sync under way (its fragment and steps)."""
+    def _replica_average(self, pending: _Exchange) -> list[str]:
+        """Average ``pending`` over the replicas of a quorum (see :meth:`ReplicaGroup.average`)."""
+        assert self.replicas is not None
+        return self.replicas.average(pending, self)
+
+    # what the replicas component needs of this strategy (lightning_commstrats.replicas.ReplicaHost)
+
+    def replica_state(self, pending: _Exchange | None) -> dict[str, Any]:
+        """The state every replica shares (this rank's part of it: its shards when sharded): the global
+        model and outer optimizer, the module's buffers, the schedule, the step count, the
+        learning-rate schedules (the schedulers and the inner optimizers' hyperparameters); and the
+        sync under way (its fragment and steps)."""
         assert self.outer is not None
         trainer = self.trainer
         schedulers = [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs] if trainer else []
+        module = self.lightning_module
         return {
             "optimizer_steps": self.optimizer_steps,
             "samples_per_worker": self.samples_per_worker,
             "block_start": list(self._block_start),
             "outer": self.outer.state_dict(),
+            "buffers": [] if module is None else [b.detach().clone() for b in module.buffers()],
             "sync": None if pending is None else (pending.fragment, pending.started_at, pending.apply_at),
             "lr_schedulers": schedulers,
             # the hyperparameters a schedule set (a scheduler's state alone does not restore them)
@@ -671,8 +683,8 @@ class PeriodicSyncStrategy(CommStrategy):
             ],
         }
 
-    def _adopt(self, state: dict[str, Any]) -> None:
-        """Take the run's shared state (from the replica that healed this one, or the first quorum's
+    def adopt(self, state: dict[str, Any]) -> None:
+        """Take the run's shared state (from the replica that healed this one, or the quorum's
         agreement). Local weights restart from the global model; quantization residuals restart at
         zero (they are this replica's own error on a trajectory the run did not keep; a peer's
         residual would count that peer's error twice); the inner optimizers keep their own state
@@ -683,6 +695,11 @@ class PeriodicSyncStrategy(CommStrategy):
         self._block_start = [int(b) for b in state["block_start"]]
         for f in range(self.num_fragments):
             self.load_flat(outer.start_point(f), f)
+        module = self.lightning_module
+        if module is not None and state.get("buffers"):
+            with torch.no_grad():
+                for mine, theirs in zip(module.buffers(), state["buffers"], strict=True):
+                    mine.copy_(theirs)
         if self._inflight is not None and self._inflight.launched is not None:
             # the local weights restart here: the steps kept when the exchange lands are those from now
             self._inflight.launched = outer.start_point(self._inflight.fragment).clone()
@@ -702,184 +719,55 @@ class PeriodicSyncStrategy(CommStrategy):
                 set_trainer_steps(trainer, steps)
         self.optimizer_steps = steps
 
-    def _first_quorum(self) -> None:
-        """At the start of fit: agree with the replicas alive on the run's state. With the first quorum
-        of the run (every replica at step 0) that is replica 0's state, broadcast; a replica that
-        (re)joins a running run heals from a live peer and takes part in the sync it found under way."""
-        assert self.fault_tolerance is not None and self._relay is not None
-        first: Quorum | None = None
+    def join_sync(self, state: dict[str, Any]) -> _Exchange:
+        """The sync a peer was in when this replica healed from it: this replica takes part (sending
+        zeros) and applies it when the others do."""
+        # the snapshot was taken inside the source's optimizer step, before Lightning stepped its
+        # schedulers for it: step them here, where this replica's loop will not
+        step_schedulers_once(self.trainer)
+        fragment, started_at, apply_at = state["sync"]
+        pending = _Exchange(fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False)
+        if fragment == self.num_fragments - 1:
+            pending.buffers = self._buffer_snapshot()
+        self._inflight = pending
+        return pending
 
-        def attempt(_: int) -> bool:
-            nonlocal first
-            kind, state = None, None
-            if self._replica is not None:
-                first = self._replica.quorum()
-                if first.healed is not None:
-                    kind, state = "heal", first.healed
-                else:  # the run's first quorum: replica 0's state is everyone's
-                    kind = "init"
-                    try:
-                        # on the host: a pickled CUDA tensor would unpickle on its sender's device index
-                        mine = _to_cpu(self._shared_state(None)) if first.comm.rank == 0 else None
-                        state = first.comm.broadcast_object(mine, 0, tag="weights")
-                        ok, err = True, None
-                    except Exception as e:  # a peer died in the broadcast: a new quorum
-                        ok, err = False, e
-                    if not self._replica.commit(ok, err):
-                        kind, state = "retry", None
-            kind, state = self._relay.broadcast_object((kind, state), 0)
-            if kind == "retry":
-                return False
-            self._adopt(state)
-            if state["sync"] is not None:
-                # the snapshot was taken inside the source's optimizer step, before Lightning stepped its
-                # schedulers for it: step them here, where this replica's loop will not
-                step_schedulers_once(self.trainer)
-            if kind == "heal" and state["sync"] is not None:
-                # the others are in a sync: take part (sending zeros), then apply it when they do
-                fragment, started_at, apply_at = state["sync"]
-                pending = _Exchange(
-                    fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False
-                )
-                self._shared = self._shared_state(pending)
-                # adopted already: in this sync's exchange the quorum counts as a plain one
-                pending.nonfinite = self._replica_average(
-                    pending, None if first is None else replace(first, healed=None)
-                )
-                self._inflight = pending
-                if self.optimizer_steps >= apply_at:
-                    self._apply()
-            else:
-                self._shared = self._shared_state(None)
-            return True
-
-        run_attempts(self.fault_tolerance.max_sync_attempts, attempt, "joining the run")
-
-    def _replica_average(self, pending: _Exchange, first: Quorum | None = None) -> list[str]:
-        """Average ``pending``'s pseudo-gradient over the replicas of a quorum (main thread, or the
-        background one with a delay), retried over a new quorum until it commits. Every rank of the
-        replica calls it; rank 0 exchanges and the others receive its result. Returns the names
-        whose average is not finite.
-
-        A replica whose state is not the run's (torchft healed it: it was behind; or the quorum
-        found it holding another global model at the same step) takes the run's state, adopted
-        when the sync is applied, and sends zeros that are not counted in the mean."""
-        assert self.fault_tolerance is not None and self._relay is not None
-        grad = pending.grad
-        backup = grad.clone()  # the block's pseudo-gradient, for a retry after a failed exchange
-        nonfinite: list[str] = []
-        received: dict[str, Any] | None = None  # the run's state, once this replica learned it is behind
-
-        def attempt(_: int) -> bool:
-            nonlocal first, nonfinite, received, grad, backup
-            committed = False
-            if self._replica is not None:
-                quorum, first = first or self._replica.quorum(), None
-                try:
-                    if quorum.healed is not None:
-                        received = quorum.healed
-                    received = self._reconcile(quorum, received) or received
-                    if received is not None:
-                        # until it is adopted, the run's state is what this replica would heal a peer with
-                        self._shared = received
-                        pending.contributes = False
-                        if received["sync"] is not None and received["sync"][:2] != (
-                            pending.fragment,
-                            pending.started_at,
-                        ):
-                            # behind by a whole sync (its own failed): join the one the run is in
-                            grad = self._retarget(pending, received["sync"])
-                            backup = grad.clone()
-                        grad.zero_()
-                        backup.zero_()
-                    exchange = self._bind_exchange(quorum.comm)
-                    if received is not None:
-                        exchange.reset()
-                    nonfinite = exchange.average(self._named_views(pending.fragment, grad), commit=False)
-                    count = torch.tensor([1.0 if pending.contributes else 0.0], device=grad.device)
-                    took_part = float(quorum.comm.all_reduce(count, tag="control").item())
-                    if took_part > 0 and took_part != quorum.comm.world_size:
-                        grad.mul_(quorum.comm.world_size / took_part)  # the mean over those who trained
-                    pending.took_part = int(took_part)
-                    ok, err = True, None
-                except Exception as e:  # any failure of this attempt (a dead peer, garbage received): retry
-                    ok, err = False, e
-                committed = self._replica.commit(ok, err)
-                if committed:
-                    exchange.commit()
-                elif self._exchange is not None:
-                    self._exchange.discard()
-            committed, nonfinite, pending.took_part, sync = self._relay.broadcast_object(
-                (committed, nonfinite, pending.took_part, (pending.fragment, pending.started_at, pending.apply_at)), 0
-            )
-            if sync != (pending.fragment, pending.started_at, pending.apply_at):  # the replica's other ranks follow
-                grad = self._retarget(pending, sync)
-                backup = grad.clone()
-            if not committed:
-                grad.copy_(backup)
-                return False
-            if self.world_size > 1:
-                self._relay.broadcast(grad, 0, tag="weights")
-                received = self._relay.broadcast_object(received, 0, tag="weights")
-            pending.healed = received
-            return True
-
-        run_attempts(self.fault_tolerance.max_sync_attempts, attempt, f"the sync of fragment {pending.fragment}")
-        return nonfinite
-
-    def _retarget(self, pending: _Exchange, sync: tuple[int, int, int]) -> Tensor:
+    def retarget(self, pending: _Exchange, sync: tuple[int, int, int]) -> Tensor:
         """Point ``pending`` at the sync the run is in (another fragment, later steps), with a zero
         pseudo-gradient of that fragment's size, applied at this replica's next step; returns it."""
         fragment, started_at, _ = sync
         pending.fragment, pending.started_at, pending.apply_at = fragment, started_at, 0
         pending.grad = torch.zeros_like(self.flat_weights(fragment))
         pending.launched = None  # the weights this replica launched were another fragment's
+        if pending.buffers is None and fragment == self.num_fragments - 1:
+            pending.buffers = self._buffer_snapshot()
         return pending.grad
 
-    def _reconcile(self, quorum: Quorum, received: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Make sure the quorum's replicas hold one global model before they average into it.
-
-        torchft heals a replica that is behind by committed step; replicas at the same step can still
-        hold different models (two that each formed the run's first quorum alone, with
-        ``min_replicas`` below the number of replicas; or a sync that committed on some replicas and
-        failed on others, which then committed a retry among themselves). Every replica sends a
-        fingerprint of its global model (exact integer sums of its bits, the same on any hardware)
-        and its count of committed batches; when they differ, the state of the replica with the most
-        committed batches (then the model most of them hold, then the lowest rank) is sent to the
-        others. Returns that state when this replica must take it, else ``None``."""
-        assert self._replica is not None and self.outer is not None
-        if received is not None:
-            weights = [w.to(self.root_device) for w in received["outer"]["weights"]]
-        else:
-            weights = [self.outer.global_weights(f) for f in range(self.num_fragments)]
-        row = torch.cat([torch.tensor([self._replica.batches_committed]), fingerprint(weights).cpu()])
-        rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
-        if all(r[1:] == rows[0][1:] for r in rows):
-            return None
-        # the longest committed history, then the model most replicas hold, then the lowest rank
-        holders = [sum(r[1:] == rows[i][1:] for r in rows) for i in range(len(rows))]
-        canonical = max(range(len(rows)), key=lambda i: (rows[i][0], holders[i], -i))
-        me = quorum.comm.rank
-        log.warning(
-            "replica %r: the quorum's replicas hold %d different global models at step %d; taking replica"
-            " rank %d's (committed batches and fingerprints by rank: %s)",
-            self.fault_tolerance.replica_id if self.fault_tolerance else "",
-            len({tuple(r[1:]) for r in rows}),
-            self._replica.step,
-            canonical,
-            rows,
-        )
-        mine = _to_cpu(received or self._shared) if me == canonical else None
-        state = quorum.comm.broadcast_object(mine, canonical, tag="weights")
-        return None if rows[me][1:] == rows[canonical][1:] else state
-
-    def _bind_exchange(self, comm: Communicator) -> TensorExchange:
+    def bind_exchange(self, comm: Communicator) -> TensorExchange:
         """The exchange over this quorum's replicas (made at the first quorum, rebound at each one after)."""
         if self._exchange is None:
             self._exchange = self._make_exchange(comm)
         else:
             self._exchange.rebind(comm)
         return self._exchange
+
+    def named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
+        return self._named_views(fragment, flat)
+
+    def global_tensors(self, state: dict[str, Any] | None) -> list[Tensor]:
+        if state is not None:
+            return [w.to(self.root_device) for w in state["outer"]["weights"]]
+        assert self.outer is not None
+        return [self.outer.global_weights(f) for f in range(self.num_fragments)]
+
+    def _buffer_snapshot(self) -> Tensor | None:
+        """The module's floating-point buffers as one vector, made equal over this replica's ranks
+        first (collective over the replica: every rank launches the same sync at the same step)."""
+        module = self.lightning_module
+        if module is None:
+            return None
+        self.sync_buffers(tag="weights")
+        return flat_buffers(list(module.buffers()))
 
     @property
     @override
@@ -950,6 +838,9 @@ class PeriodicSyncStrategy(CommStrategy):
             "block_start": list(self._block_start),
             "outer": None if self.outer is None else self.outer.state_dict(),
             "inflight": inflight,
+            # fault tolerance: the torchft Manager's committed step and batches (a full restart
+            # continues from the replica with the most committed progress)
+            "replicas": None if self.replicas is None else self.replicas.state_dict(),
         }
 
     @override
@@ -1013,6 +904,8 @@ class PeriodicSyncStrategy(CommStrategy):
         super().load_state_dict(state, rank_state)
         self.started = bool(state["started"])
         self._block_start = [int(b) for b in state["block_start"]]
+        if self.replicas is not None:
+            self.replicas.load_state_dict(state.get("replicas"))
         self.outer = None
         if state["outer"] is not None and state["outer"]["weights"] is not None:
             outer.load_state_dict(state["outer"], self.root_device)
@@ -1078,23 +971,6 @@ def fragment_bounds(sizes: list[int], num_fragments: int) -> list[tuple[int, int
         begin = end
     bounds.append((begin, len(sizes)))
     return bounds
-
-
-def fingerprint(tensors: list[Tensor]) -> Tensor:
-    """Two int64 checksums of the bits of float32 ``tensors``: their sum, and their sum weighted by
-    position. Integer sums are exact and do not depend on the order of summation, so equal tensors
-    give equal checksums on any device; two different models colliding is not a practical concern."""
-    sums = torch.zeros(2, dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
-    position = 0
-    for t in tensors:
-        flat = t.detach().float().contiguous().view(torch.int32).flatten()
-        for chunk in flat.split(FINGERPRINT_CHUNK):  # bounded scratch memory, whatever the model's size
-            bits = chunk.to(torch.int64)
-            weight = torch.arange(position, position + bits.numel(), device=bits.device) % 65521 + 1
-            sums[0] += bits.sum()
-            sums[1] += (bits * weight).sum()
-            position += bits.numel()
-    return sums
 
 
 def step_schedulers_once(trainer: Any) -> None:

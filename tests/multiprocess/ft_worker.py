@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_commstrats
 from lightning_commstrats import fault_tolerance as ft
+from lightning_commstrats import replicas as rp
 from lightning_commstrats.fabric import FabricStrategy
 from lightning_commstrats.strategies import periodic
 
@@ -155,7 +156,7 @@ def main() -> None:
         weights, opt = outer_tensors(strategy)
         syncs.append(
             {
-                "step": strategy._replica.step if strategy._replica is not None else None,
+                "step": strategy.replicas.sync.step if strategy.replicas.sync is not None else None,
                 "fragment": fragment,
                 "optimizer_steps": strategy.optimizer_steps,
                 "global": digest(weights),
@@ -163,42 +164,42 @@ def main() -> None:
                 "quorum": quorums[-1] if quorums else None,
             }
         )
-        if strategy._replica is not None and strategy._replica.step == spec.get("perturb_at_step"):
+        if strategy.replicas.sync is not None and strategy.replicas.sync.step == spec.get("perturb_at_step"):
             # a replica whose global model left the run's without torchft knowing (same committed step)
             with torch.no_grad():
                 strategy.outer.weights[0].add_(1e-3)
 
     strategy.after_sync = after_sync
 
-    original_average = strategy._replica_average
+    original_average = rp.ReplicaGroup.average
 
-    def replica_average(pending, first=None):
+    def replica_average(self, pending, host, first=None):
         sent = pending.grad.clone()
         attempts_before = len(quorums)
-        nonfinite = original_average(pending, first)
+        nonfinite = original_average(self, pending, host, first)
         exchanges.append(
             {
                 "fragment": pending.fragment,
                 "sent": sent if pending.contributes else torch.zeros_like(sent),
                 "average": pending.grad.clone(),
                 "quorums": quorums[attempts_before:] or quorums[-1:],
-                "step": strategy._replica.step if strategy._replica is not None else None,
+                "step": self.sync.step,
             }
         )
         return nonfinite
 
-    strategy._replica_average = replica_average
+    rp.ReplicaGroup.average = replica_average
 
     reconciled: list[int] = []
-    original_reconcile = strategy._reconcile
+    original_reconcile = rp.ReplicaGroup.reconcile
 
-    def reconcile(quorum, received):
-        state = original_reconcile(quorum, received)
+    def reconcile(self, quorum, received, host):
+        state = original_reconcile(self, quorum, received, host)
         if state is not None:
-            reconciled.append(strategy._replica.step)
+            reconciled.append(self.sync.step)
         return state
 
-    strategy._reconcile = reconcile
+    rp.ReplicaGroup.reconcile = reconcile
 
     class Killer(L.Callback):
         """``kill["after_step"]``: SIGKILL (a dead machine), or with ``kill["signal"] == "TERM"`` a

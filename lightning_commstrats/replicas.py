@@ -1,0 +1,538 @@
+"""The replicas of a fault-tolerant periodic run, as a component the periodic strategy holds.
+
+A *replica* is one Lightning job of ``S`` ranks. Every rank of it runs a torchft ``Manager``
+(:class:`~lightning_commstrats.fault_tolerance.ReplicaSync`): the replica's rank 0 hosts the
+Manager server that speaks to the Lighthouse for the whole replica, and torchft makes the quorum
+and the commit decisions of all ``S`` ranks together (a quorum forms once every rank asked; a sync
+commits only if every rank's part of it succeeded). Rank ``i`` of every replica shares a process
+group of its own across replicas, so that all ``S`` links of a replica carry the exchange:
+
+- with ``shard="fsdp"`` rank ``i`` holds the ``i``-th FSDP2 shard of the model and exchanges that;
+- unsharded, every rank of the replica holds the same pseudo-gradient (gradients are averaged
+  inside the replica at every step); rank ``i`` exchanges its ``1/S`` slice of it (whole
+  parameter tensors, cut into ``S`` runs of about equal size) and the slices are gathered inside
+  the replica afterwards. The bytes per link fall by ``S``.
+
+A healing rank receives its state from the same rank of a replica at the highest committed step
+(torchft chooses the source), so a sharded replica heals shard by shard.
+
+A rank that dies takes its replica out of the run within seconds: the replica's other ranks watch
+its heartbeat (:class:`PeerWatch`), stop their Managers (rank 0's stops answering the Lighthouse)
+and raise at their next step across replicas; the replica is restarted as a whole and heals.
+
+The interface (:class:`ReplicaGroup`): :meth:`~ReplicaGroup.join`, :meth:`~ReplicaGroup.first_quorum`,
+:meth:`~ReplicaGroup.average`, the heal state out (:meth:`~ReplicaGroup.offer`, read by torchft) and
+in (the ``healed`` state the strategy adopts), :meth:`~ReplicaGroup.state_dict` for checkpoints,
+and :meth:`~ReplicaGroup.leave`. What it needs of the strategy is :class:`ReplicaHost`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.distributed import TCPStore
+
+from lightning_commstrats.buckets import flatten, unflatten_into
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.comm.base import CollectiveError
+from lightning_commstrats.comm.stats import CommStats
+from lightning_commstrats.comm.torch_dist import LivenessWatch
+from lightning_commstrats.compression.exchange import TensorExchange
+from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, run_attempts
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_CHUNK = 1 << 22  # values per pass of the global model's fingerprint (48 MiB of scratch)
+
+
+class ReplicaHost(Protocol):
+    """What :class:`ReplicaGroup` needs of the strategy that holds it (the periodic strategy)."""
+
+    def replica_state(self, pending: Any | None) -> dict[str, Any]:
+        """A snapshot of the state every replica shares (what a healing peer of this rank receives)."""
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """Take the run's shared state (received from a peer) in place of this rank's."""
+
+    def join_sync(self, state: dict[str, Any]) -> Any:
+        """After adopting ``state`` of a peer that is inside a sync: the exchange this rank takes part in."""
+
+    def retarget(self, pending: Any, sync: tuple[int, int, int]) -> Tensor:
+        """Point ``pending`` at the sync the run is in; returns its (zero) pseudo-gradient."""
+
+    def bind_exchange(self, comm: Communicator) -> TensorExchange:
+        """The exchange, over ``comm`` (one quorum's process group)."""
+
+    def named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
+        """``flat`` (a fragment's pseudo-gradient) as named views, one per parameter (its local shard)."""
+
+    def global_tensors(self, state: dict[str, Any] | None) -> list[Tensor]:
+        """The global model this rank holds (its shard when sharded), or the one in ``state``."""
+
+
+class PeerWatch:
+    """Watches the heartbeats of the replica's other ranks from a thread; when one stops (killed, out
+    of memory, exited on an error) calls ``on_stop`` once with what happened.
+
+    Args:
+        heartbeat: the replica's heartbeat counters (:class:`~lightning_commstrats.comm.torch_dist.Heartbeat`).
+        on_stop: called from the watch's thread.
+        after: seconds without a beat after which a rank counts as stopped.
+    """
+
+    def __init__(self, heartbeat: Any, on_stop: Callable[[str], None], after: float = 4.0) -> None:
+        self._watch = LivenessWatch(heartbeat, after=after)
+        self._on_stop = on_stop
+        self._every = heartbeat.interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="commstrats-peer-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            stopped = self._watch.stopped()
+            if stopped is None:
+                self._on_stop("the replica's rank 0 (which hosts its rendezvous store) is gone")
+                return
+            if stopped:
+                self._on_stop(
+                    f"rank(s) {stopped} of the replica stopped (killed, out of memory, or exited on an error)"
+                )
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def slice_bounds(sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """Cut tensors of ``sizes`` (in order) into ``parts`` contiguous runs of whole tensors, of about
+    equal total size; a run may be empty (fewer tensors than parts). Returns ``[begin, end)`` pairs."""
+    total, bounds, begin, acc = sum(sizes), [], 0, 0
+    for k in range(parts):
+        target = total * (k + 1) / parts
+        end = begin
+        while end < len(sizes) and (k == parts - 1 or abs(acc + sizes[end] - target) <= abs(acc - target)):
+            acc += sizes[end]
+            end += 1
+        bounds.append((begin, end))
+        begin = end
+    return bounds
+
+
+def fingerprint(tensors: list[Tensor]) -> Tensor:
+    """Two int64 checksums of the bits of float32 ``tensors``: their sum, and their sum weighted by
+    position. Integer sums are exact and do not depend on the order of summation, so equal tensors
+    give equal checksums on any device; two different models colliding is not a practical concern."""
+    sums = torch.zeros(2, dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
+    position = 0
+    for t in tensors:
+        flat = t.detach().float().contiguous().view(torch.int32).flatten()
+        for chunk in flat.split(FINGERPRINT_CHUNK):  # bounded scratch memory, whatever the model's size
+            bits = chunk.to(torch.int64)
+            weight = torch.arange(position, position + bits.numel(), device=bits.device) % 65521 + 1
+            sums[0] += bits.sum()
+            sums[1] += (bits * weight).sum()
+            position += bits.numel()
+    return sums
+
+
+class ReplicaGroup:
+    """This rank's membership in a fault-tolerant run (see the module's docstring).
+
+    Args:
+        config: the settings.
+    """
+
+    def __init__(self, config: FaultTolerance) -> None:
+        self.config = config
+        self.sync: ReplicaSync | None = None
+        self.comm: Communicator | None = None  # the replica's ranks (main thread)
+        self.relay: Communicator | None = None  # the replica's ranks, for the exchange's thread
+        self.holders: Communicator | None = None  # the replica's ranks that hold the same tensors as this one
+        self.shared: dict[str, Any] | None = None  # what a healing peer of this rank receives
+        self._restored: dict[str, int] | None = None  # the Manager's counters from a checkpoint
+        self._watch: PeerWatch | None = None
+        self._failure: str | None = None  # why this replica left the run (a rank of it stopped)
+
+    # ------------------------------------------------------------------ join and leave
+
+    @property
+    def joined(self) -> bool:
+        return self.sync is not None
+
+    def join(
+        self,
+        comm: Communicator,
+        relay: Communicator,
+        holders: Communicator,
+        device: torch.device,
+        stats: CommStats,
+        *,
+        host: bool,
+    ) -> None:
+        """Collective over the replica's ranks: every rank starts its torchft Manager (rank 0 hosts the
+        replica's store and Manager server); all learn whether every rank managed to, so none waits
+        for ever.
+
+        Args:
+            comm: the replica's ranks. relay: the same ranks, for the exchange's thread (``comm`` when
+            there is none). holders: the ranks of the replica that hold the same tensors (all of them
+            unsharded; with ``shard="fsdp"`` rank ``i`` of each group). device: the exchange's tensors'.
+            stats: what the cross-replica collectives charge. host: exchange through host memory.
+        """
+        if self.sync is not None:
+            return
+        self.comm, self.relay, self.holders = comm, relay, holders
+        failure, sync, address = None, None, None
+        if comm.rank == 0:  # the replica's own rendezvous store for torchft (its Manager server's address...)
+            try:
+                self._store = TCPStore(
+                    "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.config.timeout)
+                )
+                address = (self.config.hostname or socket.gethostname(), self._store.port)
+            except (OSError, RuntimeError) as err:
+                failure = f"{type(err).__name__}: {err}"
+        address, failure = comm.broadcast_object((address, failure), 0)
+        if failure is None:
+            try:
+                sync = ReplicaSync(
+                    self.config,
+                    device,
+                    self.offer,
+                    stats,
+                    host=host,
+                    rank=comm.rank,
+                    world_size=comm.world_size,
+                    store=address,
+                )
+            except (ConnectionError, OSError, RuntimeError) as err:
+                failure = f"rank {comm.rank}: {type(err).__name__}: {err}"
+        failures = [f for f in comm.all_gather_object(failure) if f is not None]
+        if failures:
+            if sync is not None:
+                sync.shutdown()
+            raise ConnectionError(f"replica {self.config.replica_id!r} could not join the run: {failures[0]}")
+        assert sync is not None
+        self.sync = sync
+        if self._restored is not None:
+            sync.manager.load_state_dict(self._restored)
+        heartbeat = getattr(comm, "heartbeat", None)
+        if comm.world_size > 1 and heartbeat is not None:
+            self._watch = PeerWatch(heartbeat, self._peer_stopped)
+
+    def _peer_stopped(self, what: str) -> None:
+        """The watch's thread: a rank of this replica stopped. The replica leaves the run now (rank 0's
+        Manager server stops answering the Lighthouse, which drops the replica from the next quorum);
+        this rank raises at its next step across replicas."""
+        self._failure = what
+        log.error("replica %r leaves the run: %s", self.config.replica_id, what)
+        if self.sync is not None:
+            self.sync.shutdown()
+
+    def check_alive(self) -> None:
+        """Raise when a rank of this replica stopped (the replica must be restarted as a whole)."""
+        if self._failure is not None:
+            raise CollectiveError(
+                f"replica {self.config.replica_id!r} left the run: {self._failure}; restart the replica as a whole,"
+                " it heals from the others"
+            )
+
+    def leave(self) -> None:
+        """Stop the watch and the Manager (the replica leaves the quorums)."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        if self.sync is not None:
+            self.sync.shutdown()
+            self.sync = None
+
+    # ------------------------------------------------------------------ checkpoints and heals
+
+    def state_dict(self) -> dict[str, int] | None:
+        """The Manager's counters (committed step, committed batches): a restarted run continues from
+        the replica with the most committed progress."""
+        if self.sync is not None:
+            return {"step": self.sync.step, "batches_committed": self.sync.batches_committed}
+        return self._restored
+
+    def load_state_dict(self, state: dict[str, int] | None) -> None:
+        self._restored = None if state is None else {k: int(v) for k, v in state.items()}
+        if self.sync is not None and self._restored is not None:
+            self.sync.manager.load_state_dict(self._restored)
+
+    def offer(self) -> dict[str, Any]:
+        """What a healing peer receives (torchft calls this in its quorum thread): the snapshot
+        :meth:`set_offer` was given when this sync began. On CUDA it waits for the stream that made it."""
+        assert self.shared is not None, "a peer asked to heal from a replica that has not synced"
+        event = self.shared.get("_ready")
+        if event is not None:  # torchft reads the tensors on its own stream: after the main stream made them
+            torch.cuda.current_stream().wait_event(event)
+        return {k: v for k, v in self.shared.items() if k != "_ready"}
+
+    def set_offer(self, state: dict[str, Any]) -> None:
+        """The state a healing peer receives from now on (a snapshot nobody changes until the sync ends)."""
+        if any(isinstance(t, Tensor) and t.is_cuda for t in _tensors(state)):
+            state = {**state, "_ready": torch.cuda.current_stream().record_event()}
+        self.shared = state
+
+    # ------------------------------------------------------------------ syncs
+
+    def _quorum(self) -> Quorum:
+        """The next quorum, the same on every rank of the replica: a rank whose quorum failed makes
+        every rank raise its error (none waits in a collective for it)."""
+        assert self.sync is not None and self.relay is not None
+        self.check_alive()
+        try:
+            quorum, failure = self.sync.quorum(), None
+        except Exception as err:  # no quorum within quorum_timeout, or the Manager is gone
+            quorum, failure = None, err
+        self.check_alive()
+        failures = self.relay.all_gather_object(None if failure is None else str(failure))
+        first = next((f for f in failures if f is not None), None)
+        if first is not None:
+            self.check_alive()
+            raise TimeoutError(first) from failure
+        assert quorum is not None
+        return quorum
+
+    def _commit(self, ok: bool, error: BaseException | None) -> bool:
+        """torchft's decision, the same on every rank of the replica (its Manager server collects every
+        rank's vote); raises when this replica has left the run."""
+        assert self.sync is not None
+        try:
+            return self.sync.commit(ok, error)
+        except Exception:
+            self.check_alive()
+            raise
+
+    def _agree_received(self, received: dict[str, Any] | None) -> None:
+        """Every rank of the replica holds a peer's state, or none: a heal that reached some ranks only
+        (its source died inside it) leaves a replica that cannot continue; it is restarted and heals."""
+        assert self.relay is not None
+        count = int(self.relay.all_reduce(torch.tensor([1 if received is not None else 0]), tag="control").item())
+        if 0 < count < self.relay.world_size:
+            raise RuntimeError(
+                f"replica {self.config.replica_id!r}: {count} of its {self.relay.world_size} ranks received a peer's"
+                " state and the others did not (the source failed inside the heal); restart the replica, it heals"
+            )
+
+    def first_quorum(self, host: ReplicaHost) -> None:
+        """At the start of fit: agree with the replicas alive on the run's state. Replicas behind the
+        quorum's highest committed step heal (torchft: a full restart continues from the replica with
+        the most committed progress); replicas at the same step that hold different models take the
+        one with the most committed batches (the run's first quorum: the lowest rank's, as a
+        broadcast). A replica that joins a running run heals and takes part in the sync it found."""
+        assert self.sync is not None
+        self.set_offer(host.replica_state(None))  # a peer may heal from this replica in this very quorum
+        received: dict[str, Any] | None = None  # a heal survives a failed attempt: torchft will not send it again
+
+        def attempt(_: int) -> bool:
+            nonlocal received
+            quorum = self._quorum()
+            self._agree_received(quorum.healed)
+            received = quorum.healed or received
+            if received is not None and received["sync"] is not None:
+                # the others are inside a sync: adopt the run's state, then take part in that sync
+                host.adopt(received)
+                pending = host.join_sync(received)
+                self.set_offer(host.replica_state(pending))
+                pending.nonfinite = self.average(pending, host, first=Quorum(quorum.comm, quorum.step, None))
+                return True
+            ok, err, state = True, None, None
+            try:
+                state = self.reconcile(quorum, received, host)
+            except Exception as e:  # a peer died in the agreement: a new quorum
+                ok, err = False, e
+            committed = self._commit(ok, err)
+            if committed:
+                state = state or received
+                self._agree_received(state)
+                if state is not None:
+                    host.adopt(state)
+                self.set_offer(host.replica_state(None))
+            return committed
+
+        run_attempts(self.config.max_sync_attempts, attempt, "joining the run")
+
+    def average(self, pending: Any, host: ReplicaHost, first: Quorum | None = None) -> list[str]:
+        """Average ``pending``'s pseudo-gradient (and, when it carries them, the module's buffers) over
+        the replicas of a quorum, retried over a new quorum until it commits; every rank of the
+        replica calls it (main thread, or the exchange's with a delay). Returns the names whose
+        average is not finite.
+
+        A replica whose state is not the run's (torchft healed it: it was behind; or the quorum found
+        it holding another global model at the same step) takes the run's state, adopted when the
+        sync is applied (``pending.healed``), and sends zeros that are not counted in the mean."""
+        assert self.sync is not None and self.relay is not None and self.holders is not None
+        backup = pending.grad.clone()  # the block's pseudo-gradient, for a retry after a failed exchange
+        buffers_backup = None if pending.buffers is None else pending.buffers.clone()
+        nonfinite: list[str] = []
+        received: dict[str, Any] | None = None  # the run's state, once this replica learned it is behind
+
+        def attempt(_: int) -> bool:
+            nonlocal first, nonfinite, received, backup
+            quorum, first = first or self._quorum(), None
+            if quorum.healed is not None:
+                received = quorum.healed
+            self._agree_received(quorum.healed)
+            ok, err = True, None
+            exchange = None
+            try:
+                received = self.reconcile(quorum, received, host) or received
+                if received is not None:
+                    # until it is adopted, the run's state is what this rank would heal a peer with
+                    self.shared = received
+                    pending.contributes = False
+                    if received["sync"] is not None and received["sync"][:2] != (pending.fragment, pending.started_at):
+                        # behind by a whole sync (its own failed): join the one the run is in
+                        host.retarget(pending, received["sync"])
+                        backup = pending.grad.clone()
+                    pending.grad.zero_()
+                    backup.zero_()
+                exchange = host.bind_exchange(quorum.comm)
+                if received is not None:
+                    exchange.reset()
+                nonfinite = exchange.average(self._my_slice(pending, host), commit=False)
+                count = torch.tensor([1.0 if pending.contributes else 0.0], device=quorum.comm.device)
+                took_part = float(quorum.comm.all_reduce(count, tag="control").item())
+                if took_part > 0 and took_part != quorum.comm.world_size:
+                    pending.grad.mul_(quorum.comm.world_size / took_part)  # the mean over those who trained
+                if pending.buffers is not None:
+                    self._average_buffers(pending, quorum.comm, took_part)
+                pending.took_part = int(took_part)
+            except Exception as e:  # any failure of this attempt (a dead peer, garbage received): retry
+                ok, err = False, e
+            committed = self._commit(ok, err)
+            if committed and exchange is not None:
+                exchange.commit()
+            elif exchange is not None:
+                exchange.discard()
+            if not committed:
+                pending.grad.copy_(backup)
+                if buffers_backup is not None:
+                    pending.buffers.copy_(buffers_backup)
+                return False
+            self._gather_slices(pending, host)
+            pending.healed = received
+            return True
+
+        run_attempts(self.config.max_sync_attempts, attempt, f"the sync of fragment {pending.fragment}")
+        return nonfinite
+
+    def _slice_of(self, pending: Any, host: ReplicaHost) -> tuple[dict[str, Tensor], list[tuple[int, int]]]:
+        assert self.holders is not None
+        views = host.named_views(pending.fragment, pending.grad)
+        names = list(views)
+        bounds = slice_bounds([v.numel() for v in views.values()], self.holders.world_size)
+        return {n: views[n] for n in names[slice(*bounds[self.holders.rank])]}, _offsets(views, bounds)
+
+    def _my_slice(self, pending: Any, host: ReplicaHost) -> dict[str, Tensor]:
+        """The named views of the part of the pseudo-gradient this rank exchanges (all of it when no
+        other rank of the replica holds the same tensors)."""
+        return self._slice_of(pending, host)[0]
+
+    def _gather_slices(self, pending: Any, host: ReplicaHost) -> None:
+        """Every rank of the replica that holds the same tensors gets the others' averaged slices."""
+        assert self.holders is not None
+        if self.holders.world_size == 1:
+            return
+        _, offsets = self._slice_of(pending, host)
+        longest = max(end - begin for begin, end in offsets)
+        begin, end = offsets[self.holders.rank]
+        padded = pending.grad.new_zeros(max(longest, 1))
+        padded[: end - begin] = pending.grad[begin:end]
+        gathered = self.holders.all_gather(padded, tag="weights")
+        for r, (b, e) in enumerate(offsets):
+            pending.grad[b:e] = gathered[r, : e - b]
+
+    def _average_buffers(self, pending: Any, comm: Communicator, took_part: float) -> None:
+        """The module's floating-point buffers (BatchNorm's statistics, agreed biases) averaged over the
+        replicas that trained the block, as the weights are; a replica that healed sends zeros."""
+        buffers = pending.buffers
+        if not pending.contributes:
+            buffers.zero_()
+        comm.all_reduce(buffers, tag="weights")
+        buffers.div_(max(took_part, 1.0))
+
+    def reconcile(self, quorum: Quorum, received: dict[str, Any] | None, host: ReplicaHost) -> dict[str, Any] | None:
+        """Make sure the quorum's replicas hold one global model before they average into it.
+
+        torchft heals a replica that is behind by committed step; replicas at the same step can still
+        hold different models (two that each formed the run's first quorum alone, with
+        ``min_replicas`` below the number of replicas; a sync that committed on some replicas and
+        failed on others, which then committed a retry among themselves; the run's very first quorum,
+        every replica from its own initialisation). Every replica sends a fingerprint of its global
+        model (exact integer sums of its bits, the same on any hardware; summed over the replica's
+        ranks, so that every rank of it decides alike) and its count of committed batches; when they
+        differ, the state of the replica with the most committed batches (then the model most of
+        them hold, then the lowest rank) goes to the others, rank ``i`` to rank ``i``. Returns that
+        state when this rank must take it, else ``None``."""
+        assert self.sync is not None and self.relay is not None
+        weights = host.global_tensors(received)
+        mine = fingerprint(weights).cpu()
+        replica = self.relay.all_reduce(mine.clone(), tag="control") if self.relay.world_size > 1 else mine
+        row = torch.cat([torch.tensor([self.sync.batches_committed]), replica])
+        rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
+        if all(r[1:] == rows[0][1:] for r in rows):
+            return None
+        holders = [sum(r[1:] == rows[i][1:] for r in rows) for i in range(len(rows))]
+        canonical = max(range(len(rows)), key=lambda i: (rows[i][0], holders[i], -i))
+        me = quorum.comm.rank
+        log.warning(
+            "replica %r: the quorum's replicas hold %d different global models at step %d; taking replica"
+            " rank %d's (committed batches and fingerprints by rank: %s)",
+            self.config.replica_id,
+            len({tuple(r[1:]) for r in rows}),
+            self.sync.step,
+            canonical,
+            rows,
+        )
+        state = self.shared if received is None else received
+        # on the host: a pickled CUDA tensor would unpickle on its sender's device index
+        plain = {k: v for k, v in (state or {}).items() if k != "_ready"}
+        offer = apply_to_collection(plain, Tensor, lambda t: t.detach().cpu()) if me == canonical else None
+        taken = quorum.comm.broadcast_object(offer, canonical, tag="weights")
+        return None if rows[me][1:] == rows[canonical][1:] else taken
+
+
+def _offsets(views: dict[str, Tensor], bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each slice's ``[begin, end)`` in the flat pseudo-gradient the views are consecutive pieces of."""
+    starts, offset = [], 0
+    for v in views.values():
+        starts.append(offset)
+        offset += v.numel()
+    starts.append(offset)
+    return [(starts[b], starts[e]) for b, e in bounds]
+
+
+def _tensors(state: Any) -> list[Tensor]:
+    if isinstance(state, Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+def flat_buffers(buffers: list[Tensor]) -> Tensor | None:
+    """The floating-point ``buffers`` as one float32 vector (``None`` when there are none)."""
+    floats = [b for b in buffers if b.is_floating_point()]
+    return flatten([b.detach().float() for b in floats]) if floats else None
+
+
+def load_buffers(flat: Tensor, buffers: list[Tensor]) -> None:
+    """Write ``flat`` (from :func:`flat_buffers`) back into the floating-point ``buffers``."""
+    floats = [b for b in buffers if b.is_floating_point()]
+    with torch.no_grad():
+        unflatten_into(flat.to(floats[0].device), floats)
