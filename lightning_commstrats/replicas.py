@@ -78,6 +78,10 @@ class ReplicaHost(Protocol):
         """The global model this rank holds (its shard when sharded), or the one in ``state``."""
 
 
+class ReplicaMismatch(ValueError):
+    """The replicas of a quorum cannot exchange (they have different numbers of ranks)."""
+
+
 class PeerWatch:
     """Watches the heartbeats of the replica's other ranks from a thread; when one stops (killed, out
     of memory, exited on an error) calls ``on_stop`` once with what happened.
@@ -351,6 +355,8 @@ class ReplicaGroup:
             ok, err, state = True, None, None
             try:
                 state = self.reconcile(quorum, received, host)
+            except ReplicaMismatch:
+                raise
             except Exception as e:  # a peer died in the agreement: a new quorum
                 ok, err = False, e
             committed = self._commit(ok, err)
@@ -410,6 +416,8 @@ class ReplicaGroup:
                 if pending.buffers is not None:
                     self._average_buffers(pending, quorum.comm, took_part)
                 pending.took_part = int(took_part)
+            except ReplicaMismatch:
+                raise
             except Exception as e:  # any failure of this attempt (a dead peer, garbage received): retry
                 ok, err = False, e
             committed = self._commit(ok, err)
@@ -451,7 +459,7 @@ class ReplicaGroup:
         begin, end = offsets[self.holders.rank]
         padded = pending.grad.new_zeros(max(longest, 1))
         padded[: end - begin] = pending.grad[begin:end]
-        gathered = self.holders.all_gather(padded, tag="weights")
+        gathered = self.holders.all_gather(padded, tag="gather")  # inside the replica: a tag of its own
         for r, (b, e) in enumerate(offsets):
             pending.grad[b:e] = gathered[r, : e - b]
 
@@ -481,8 +489,16 @@ class ReplicaGroup:
         weights = host.global_tensors(received)
         mine = fingerprint(weights).cpu()
         replica = self.relay.all_reduce(mine.clone(), tag="control") if self.relay.world_size > 1 else mine
-        row = torch.cat([torch.tensor([self.sync.batches_committed]), replica])
+        row = torch.cat([torch.tensor([self.relay.world_size, self.sync.batches_committed]), replica])
         rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
+        sizes = sorted({int(r[0]) for r in rows})
+        if len(sizes) > 1:
+            raise ReplicaMismatch(
+                f"replica {self.config.replica_id!r} has {self.relay.world_size} ranks and the quorum holds replicas of"
+                f" {sizes} ranks: every replica of a run must have the same number of ranks (rank i of each exchanges"
+                " the same part of the model)"
+            )
+        rows = [r[1:] for r in rows]
         if all(r[1:] == rows[0][1:] for r in rows):
             return None
         holders = [sum(r[1:] == rows[i][1:] for r in rows) for i in range(len(rows))]

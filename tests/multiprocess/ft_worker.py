@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -29,6 +30,7 @@ import lightning_commstrats
 from lightning_commstrats import fault_tolerance as ft
 from lightning_commstrats import replicas as rp
 from lightning_commstrats.fabric import FabricStrategy
+from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies import periodic
 
 SCHEMES = {
@@ -46,6 +48,9 @@ class Regression(L.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
         self.step_sleep = step_sleep
+
+    def forward(self, x):
+        return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -74,7 +79,7 @@ def task(n: int = 4096) -> TensorDataset:
 def digest(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha1()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(local(t).detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -131,7 +136,7 @@ def main() -> None:
         quorums.append(q.comm.world_size)
         if q.healed is not None:
             heals.append({"step": q.step, "optimizer_steps": strategy.optimizer_steps})
-        if kill and "sync" in kill and self.step == kill["sync"]:
+        if kill and "sync" in kill and self.step == kill["sync"] and kill.get("rank", strategy.global_rank) == strategy.global_rank:
             count = {"n": 0}
             comm = q.comm
             for name in ("_all_reduce", "_all_to_all", "_all_gather", "_broadcast"):
@@ -162,6 +167,7 @@ def main() -> None:
                 "global": digest(weights),
                 "outer_state": digest(opt),
                 "quorum": quorums[-1] if quorums else None,
+                "time": time.time(),
             }
         )
         if strategy.replicas.sync is not None and strategy.replicas.sync.step == spec.get("perturb_at_step"):
@@ -201,6 +207,16 @@ def main() -> None:
 
     rp.ReplicaGroup.reconcile = reconcile
 
+    started: dict = {}
+    original_first = rp.ReplicaGroup.first_quorum
+
+    def first_quorum(self, host):
+        original_first(self, host)
+        weights, _ = outer_tensors(strategy)
+        started.update(step=self.sync.step, global_=digest(weights), optimizer_steps=strategy.optimizer_steps)
+
+    rp.ReplicaGroup.first_quorum = first_quorum
+
     class Killer(L.Callback):
         """``kill["after_step"]``: SIGKILL (a dead machine), or with ``kill["signal"] == "TERM"`` a
         SIGTERM (a preemption) sent once to ``kill["rank"]`` of the replica (default: every rank)."""
@@ -213,23 +229,30 @@ def main() -> None:
             if kill.get("rank", trainer.global_rank) != trainer.global_rank:
                 return
             self.sent = True
+            out.joinpath(f"{rid}.killed").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGTERM if kill.get("signal") == "TERM" else signal.SIGKILL)
 
     data = task()
     if spec.get("front") == "fabric":
         global_step, lr = run_fabric(spec, strategy, model, data, kill)
     else:
+        callbacks: list = [Killer()]
+        if spec.get("ckpt_every"):  # every k steps, all kept: <out>/<rid>/ckpts/step=<k>.ckpt
+            ckpts = ModelCheckpoint(
+                dirpath=out / rid / "ckpts", filename="{step}", every_n_train_steps=spec["ckpt_every"], save_top_k=-1
+            )
+            callbacks.append(ckpts)
         trainer = L.Trainer(
             accelerator="cpu",
             devices=spec.get("devices", 1),
             strategy=strategy,
             max_steps=spec["max_steps"],
             limit_val_batches=spec.get("limit_val_batches", 0),
-            enable_checkpointing=False,
+            enable_checkpointing=bool(spec.get("ckpt_every")),
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[Killer()],
+            callbacks=callbacks,
             default_root_dir=str(out / rid),
         )
         try:
@@ -237,6 +260,7 @@ def main() -> None:
                 model,
                 DataLoader(data, batch_size=16, shuffle=True),
                 DataLoader(data, batch_size=256) if spec.get("limit_val_batches") else None,
+                ckpt_path=spec.get("resume"),
             )
         except SIGTERMException:  # preempted: every rank of the replica stopped at the same step
             out.joinpath(f"{rid}.rank{trainer.global_rank}.stopped").write_text(str(trainer.global_step))
@@ -245,7 +269,7 @@ def main() -> None:
     weights, opt = outer_tensors(strategy)
     with torch.no_grad():
         x, y = data.tensors
-        loss = float(nn.functional.mse_loss(model.net(x), y))
+        loss = float(nn.functional.mse_loss(model(x), y))  # (sharded: FSDP2 gathers the weights)
     result = {
         "replica_id": rid,
         "global_step": global_step,
@@ -253,6 +277,7 @@ def main() -> None:
         "syncs": syncs,
         "quorums": quorums,
         "heals": heals,
+        "started": started,
         "reconciled": reconciled,
         "exchanges": exchanges if spec.get("keep_exchanges") else [],
         "global": digest(weights),

@@ -1,0 +1,146 @@
+"""Fault-tolerant replicas of two ranks each (torchft, gloo, CPU), sharded and not: every rank runs
+its own torchft Manager and exchanges its part of the model with the same rank of the other
+replicas; a rank that dies takes its replica out of the run within seconds; a restarted replica
+heals rank by rank; a restart of the whole run continues from the newest checkpoint.
+
+Each replica is a Lightning job of two processes (ft_worker.py, ``devices=2``); rank 0 saves
+``<rid>.pt`` and rank 1 ``<rid>.rank1.pt``, with digests of that rank's global model (its shard
+when sharded) and outer optimizer state at every committed sync.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from ft_harness import FTRun
+from test_fault_tolerance_ranks import RESTART_AFTER, assert_agreement
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def spec(seed: int, **kwargs) -> dict:
+    base = {"init_seed": seed, "min_replicas": 1, "max_steps": 64, "step_sleep": 0.1, "devices": 2}
+    base["scheme_kwargs"] = {"sync_period": 8}
+    base.update(kwargs)
+    return base
+
+
+def load_rank(run: FTRun, rid: str, rank: int) -> dict:
+    return torch.load(run.out / (f"{rid}.pt" if rank == 0 else f"{rid}.rank{rank}.pt"), weights_only=False)
+
+
+def ranks_agree(by_replica: dict[str, dict]) -> None:
+    """Every replica's rank i ended with, and committed, the same global model (shard) and outer state."""
+    assert_agreement(by_replica)
+
+
+def wait_group_gone(pgid: int, timeout: float) -> float:
+    """Wait until no process of process group ``pgid`` is left; returns when (time.time())."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return time.time()
+        time.sleep(0.1)
+    raise AssertionError(f"processes of group {pgid} still alive after {timeout} s")
+
+
+@pytest.mark.parametrize(
+    ("shard", "victim"),
+    # rank 1 dies: Lightning's launcher (rank 0's process) ends the replica; rank 0 dies: rank 1,
+    # orphaned, learns it from the heartbeats (or its next collective) and leaves on its own
+    [(None, 1), ("fsdp", 0)],
+    ids=["replicated-rank1-dies", "sharded-rank0-dies"],
+)
+def test_a_dead_rank_takes_its_replica_out_and_the_restarted_replica_heals_rank_by_rank(shard, victim):
+    sk = {"sync_period": 8, **({"shard": shard} if shard else {})}
+    with FTRun(min_replicas=1) as run:
+        run.start("a", spec(0, scheme_kwargs=sk, max_steps=128))
+        run.start("b", spec(1, scheme_kwargs=sk, max_steps=128, kill={"after_step": 12, "rank": victim}))
+        group = run.replicas["b"].pid  # the replica's processes: one session, one group
+        assert run.wait_dead("b") != 0
+        gone = wait_group_gone(group, 30)
+        killed = float((run.out / "b.killed").read_text())
+        time.sleep(RESTART_AFTER)
+        run.start("b", spec(5, scheme_kwargs=sk, max_steps=128))
+        run.wait()
+        ranks = {r: {rid: load_rank(run, rid, r) for rid in "ab"} for r in (0, 1)}
+    print(f"every process of b gone {gone - killed:.1f} s after its rank {victim} was killed")
+    assert gone - killed < 10, gone - killed
+    a0 = ranks[0]["a"]
+    # a went on alone within 10 s of the kill (the Lighthouse dropped b), and b came back
+    alone = [s for s in a0["syncs"] if s["time"] > killed and s["quorum"] == 1]
+    assert alone and alone[0]["time"] - killed < 10, [(s["time"] - killed, s["quorum"]) for s in a0["syncs"]]
+    assert a0["syncs"][-1]["quorum"] == 2
+    for r in (0, 1):
+        ranks_agree(ranks[r])  # rank r of a and of b: the same global model (shard) and outer state
+        b = ranks[r]["b"]
+        assert b["heals"], f"rank {r} of the restarted b healed from rank {r} of a"
+        assert b["global_step"] == ranks[r]["a"]["global_step"] == 128
+    if shard:  # the two ranks hold different shards
+        assert ranks[0]["a"]["global"] != ranks[1]["a"]["global"]
+    else:  # the same model on both ranks; each rank carried about half of the exchange across replicas
+        assert ranks[0]["a"]["global"] == ranks[1]["a"]["global"]
+        sent = [ranks[r]["a"]["bytes"]["weights"] for r in (0, 1)]
+        assert all(0.35 < s / sum(sent) < 0.65 for s in sent), sent
+        assert ranks[0]["a"]["bytes"].get("gather", 0) > 0  # and gathered the other half inside the replica
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("scheme", "scheme_kwargs", "collective"),
+    [
+        ("diloco", {"sync_period": 8}, 2),
+        ("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}, 3),
+        ("streaming_diloco", {"sync_period": 8, "pseudo_grad_bits": 4, "num_fragments": 2, "fragment_sync_delay": 1}, 3),
+    ],
+    ids=["fp32", "4bit", "streaming"],
+)
+def test_a_rank_killed_inside_an_exchange_leaves_no_partial_average(scheme, scheme_kwargs, collective):
+    # b's rank 1 dies inside its cross-replica exchange at committed step 3: rank 1 of a loses its
+    # peer, rank 0 of a may complete; torchft's commit is the replica's, so neither rank of a applies it
+    with FTRun(min_replicas=1) as run:
+        run.start("a", spec(0, scheme=scheme, scheme_kwargs=scheme_kwargs, max_steps=40, keep_exchanges=True))
+        kill = {"sync": 3, "collective": collective, "rank": 1}
+        run.start("b", spec(1, scheme=scheme, scheme_kwargs=scheme_kwargs, max_steps=40, kill=kill))
+        assert run.wait_dead("b") != 0
+        del run.replicas["b"]
+        run.wait()
+        ranks = [load_rank(run, "a", r) for r in (0, 1)]
+    for a in ranks:
+        died_in = [e for e in a["exchanges"] if e["quorums"][0] == 2 and e["quorums"][-1] == 1]
+        assert len(died_in) == 1, [e["quorums"] for e in a["exchanges"]]
+        if scheme_kwargs.get("pseudo_grad_bits", 32) == 32:
+            # alone: a's average is exactly what a sent, nothing of b's
+            assert torch.equal(died_in[0]["average"], died_in[0]["sent"])
+        assert a["global_step"] == 40
+    assert ranks[0]["syncs"][-1]["global"] == ranks[1]["syncs"][-1]["global"]
+
+
+def test_a_full_restart_continues_from_the_newest_checkpoint():
+    # one-rank replicas: a and b save every 8 steps and are both killed; restarted, a from an older
+    # checkpoint than b. The lowest replica id (a) would win a tie; b's committed progress wins.
+    one = {"devices": 1, "min_replicas": 2, "ckpt_every": 8}
+    with FTRun(min_replicas=2) as run:
+        for i, rid in enumerate("ab"):
+            run.start(rid, spec(i, **one, max_steps=200, kill={"after_step": 42}))
+        for rid in "ab":
+            assert run.wait_dead(rid) != 0
+        old = run.out / "a" / "ckpts" / "step=16.ckpt"
+        new = max((run.out / "b" / "ckpts").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
+        assert old.exists() and int(new.stem.split("=")[1]) >= 32, sorted((run.out / "b" / "ckpts").iterdir())
+        time.sleep(RESTART_AFTER)
+        run.start("a", spec(3, **one, max_steps=64, resume=str(old)))
+        run.start("b", spec(4, **one, max_steps=64, resume=str(new)))
+        results = run.wait()
+    a, b = results["a"], results["b"]
+    newest = int(new.stem.split("=")[1])
+    assert b["started"]["optimizer_steps"] == a["started"]["optimizer_steps"] == newest
+    assert a["started"]["global_"] == b["started"]["global_"]  # a took b's state
+    assert a["heals"] and not b["heals"]
+    assert_agreement(results)
+    assert a["global_step"] == b["global_step"] == 64
