@@ -101,6 +101,11 @@ class FaultTolerance:
             waiting for the slowest live replica, which then misses it too, round after round.
             Keep it below the Lighthouse's ``--join-timeout-ms``.
         hostname: the name other replicas reach this one at (default: this machine's host name).
+        run_store: ``"host:port"`` of the run's store, where the replicas that finish the run say
+            so, and a replica that starts after the run ended learns it at once and exits saying
+            why (instead of waiting ``quorum_timeout`` for replicas that are gone).
+            ``commstrats-lighthouse`` serves one at its port + 1 and prints it; ``None`` (default):
+            the Lighthouse's host at its port + 1, when a store answers there.
     """
 
     lighthouse: str | None = None
@@ -112,6 +117,7 @@ class FaultTolerance:
     max_sync_attempts: int = 10
     quorum_renew_interval: float = 2.0
     hostname: str | None = None
+    run_store: str | None = None
 
     def __post_init__(self) -> None:
         if self.lighthouse is None:
@@ -144,6 +150,10 @@ class FaultTolerance:
                 f"fault_tolerance.timeout={self.timeout} must be < quorum_timeout={self.quorum_timeout}"
                 " (the timeouts nest: a collective ends before a quorum gives up)"
             )
+        if self.run_store is not None:
+            host, _, port = str(self.run_store).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"fault_tolerance.run_store={self.run_store!r} is not an address such as 'host:29511'")
         attempts = self.max_sync_attempts
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
             raise ValueError(f"fault_tolerance.max_sync_attempts must be an int >= 1, got {attempts!r}")
@@ -161,9 +171,11 @@ class FaultTolerance:
             raise ValueError(f"fault_tolerance got unknown setting(s) {unknown}; it takes {sorted(known)}")
         return cls(**value)
 
-    def data_seed(self) -> int:
-        """A seed for this replica's data order, derived from its name (the same after a restart)."""
-        return zlib.crc32(self.replica_id.encode()) & 0x7FFFFFFF
+    def data_seed(self, joined_at: int = 0) -> int:
+        """A seed for this replica's data order, derived from its name and, for a replica that joined a
+        running run, the committed step it joined at (a fresh order for each of its lives)."""
+        key = self.replica_id if joined_at <= 1 else f"{self.replica_id}@{joined_at}"
+        return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
 def check_lighthouse(config: FaultTolerance) -> None:
@@ -278,6 +290,8 @@ class ReplicaSync:
         self.stats = stats
         self._received: dict[str, Any] | None = None
         self.closed = False
+        self.run_store = RunStore.connect(config)
+        self.check_ended()
         timeout = timedelta(seconds=config.timeout)
         # NCCL on CUDA, unless the exchange runs in a background thread (``host``): then gloo, the
         # tensors staged through host memory, so that thread never issues an NCCL collective beside
@@ -307,6 +321,15 @@ class ReplicaSync:
             hostname=hostname,
         )
 
+    def check_ended(self) -> None:
+        """Raise :class:`RunEnded` when the run's store says the run is over."""
+        ended = None if self.run_store is None else self.run_store.ended()
+        if ended is not None:
+            raise RunEnded(
+                f"replica {self.config.replica_id!r} has nothing to join: the run has ended ({ended}). Its final"
+                " model is what the replicas that finished it saved."
+            )
+
     def _receive(self, state: dict[str, Any]) -> None:  # torchft's load_state_dict callback: adopted later
         self._received = state
 
@@ -330,6 +353,7 @@ class ReplicaSync:
         while True:
             if self.closed:
                 raise RuntimeError(f"replica {config.replica_id!r} has left the run (its Manager is shut down)")
+            self.check_ended()  # every renewal: a replica that came back after the end learns it in seconds
             began = time.monotonic()
             renew = max(min(config.quorum_renew_interval, deadline - began), 0.1)
             try:
@@ -389,6 +413,72 @@ def _advertised_http_transport(hostname: str, timeout: timedelta) -> Any:
     return Transport(timeout=timeout, num_chunks=0)
 
 
+class RunEnded(RuntimeError):
+    """The run this replica would join has ended (its other replicas finished it)."""
+
+
+class RunStore:
+    """The run's small key-value store (served by ``commstrats-lighthouse``): the replicas that finish
+    the run write where it ended; a replica that (re)starts reads it before waiting for a quorum.
+
+    ``connect`` returns ``None`` when no store answers (a Lighthouse started otherwise): a replica
+    that comes back after the run ended then waits ``quorum_timeout`` and fails, as before."""
+
+    KEY = "commstrats/run/ended"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @classmethod
+    def connect(cls, config: FaultTolerance) -> RunStore | None:
+        from torch.distributed import TCPStore
+
+        if config.run_store is not None:
+            host, _, port = config.run_store.rpartition(":")
+            address = (host, int(port))
+        else:
+            parsed = urlparse(config.lighthouse)
+            assert parsed.hostname is not None and parsed.port is not None
+            address = (parsed.hostname, parsed.port + 1)
+        try:
+            with socket.create_connection(address, timeout=min(config.connect_timeout, 2.0)):
+                pass
+            store = TCPStore(
+                address[0],
+                address[1],
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=min(config.connect_timeout, 5.0)),
+            )
+            store.check([cls.KEY])  # a TCPStore answers; anything else fails here
+        except Exception as err:  # no store there: the run goes on without one
+            level = logging.WARNING if config.run_store is not None else logging.INFO
+            log.log(
+                level,
+                "no run store at %s:%d (%s): a replica started after the run ended waits quorum_timeout",
+                address[0],
+                address[1],
+                err,
+            )
+            return None
+        return cls(store)
+
+    def ended(self) -> str | None:
+        """What the replicas that finished the run wrote (``None`` while it goes on)."""
+        try:
+            if self.store.check([self.KEY]):
+                return self.store.get(self.KEY).decode()
+        except Exception:  # the store went away: no answer, the quorum decides
+            return None
+        return None
+
+    def mark_ended(self, what: str) -> None:
+        try:
+            self.store.set(self.KEY, what)
+        except Exception as err:
+            log.warning("could not record the end of the run in the run store: %s", err)
+
+
 def run_attempts(
     attempts: int, attempt: Callable[[int], bool], what: str, on_failure: Callable[[], None] | None = None
 ) -> None:
@@ -420,6 +510,9 @@ def lighthouse_main(argv: list[str] | None = None) -> None:
         default=1000,
         help="how long a quorum waits for more replicas once min-replicas have joined, ms",
     )
+    parser.add_argument(
+        "--store-port", type=int, default=None, help="port of the run's store (default: the Lighthouse's port + 1)"
+    )
     parser.add_argument("--quorum-tick-ms", type=int, default=100, help="how often quorums are computed, ms")
     parser.add_argument(
         "--heartbeat-timeout-ms", type=int, default=5000, help="a replica silent this long counts as dead, ms"
@@ -430,6 +523,7 @@ def lighthouse_main(argv: list[str] | None = None) -> None:
     if not 0 <= args.port < 65536:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     import_torchft()
+    from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(
@@ -439,7 +533,16 @@ def lighthouse_main(argv: list[str] | None = None) -> None:
         quorum_tick_ms=args.quorum_tick_ms,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     )
-    print(f"commstrats-lighthouse: listening at {server.address()} (min replicas {args.min_replicas})", flush=True)
+    port = int(server.address().rsplit(":", 1)[1])
+    # the run's store (RunStore): where the replicas that finish the run say so
+    store = TCPStore(
+        "0.0.0.0", args.store_port if args.store_port is not None else port + 1, is_master=True, wait_for_workers=False
+    )
+    print(
+        f"commstrats-lighthouse: listening at {server.address()} (min replicas {args.min_replicas});"
+        f" run store at port {store.port}",
+        flush=True,
+    )
     try:
         while True:
             time.sleep(3600)

@@ -46,7 +46,7 @@ from lightning_commstrats.comm.base import CollectiveError
 from lightning_commstrats.comm.stats import CommStats
 from lightning_commstrats.comm.torch_dist import LivenessWatch
 from lightning_commstrats.compression.exchange import TensorExchange
-from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, run_attempts
+from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, RunEnded, run_attempts
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,12 @@ class ReplicaGroup:
                 " it heals from the others"
             )
 
+    def finish(self, what: str) -> None:
+        """The run ended here (every replica at the same step): say so in the run's store, so that a
+        replica started from now on exits at once instead of waiting for a quorum."""
+        if self.sync is not None and self.sync.run_store is not None and self.comm is not None and self.comm.rank == 0:
+            self.sync.run_store.mark_ended(what)
+
     def leave(self) -> None:
         """Stop the watch and the Manager (the replica leaves the quorums)."""
         if self._watch is not None:
@@ -301,11 +307,13 @@ class ReplicaGroup:
         except Exception as err:  # no quorum within quorum_timeout, or the Manager is gone
             quorum, failure = None, err
         self.check_alive()
-        failures = self.relay.all_gather_object(None if failure is None else str(failure))
+        failures = self.relay.all_gather_object(None if failure is None else (type(failure).__name__, str(failure)))
         first = next((f for f in failures if f is not None), None)
         if first is not None:
             self.check_alive()
-            raise TimeoutError(first) from failure
+            if first[0] == RunEnded.__name__:
+                raise RunEnded(first[1]) from failure
+            raise TimeoutError(first[1]) from failure
         assert quorum is not None
         return quorum
 
@@ -409,8 +417,18 @@ class ReplicaGroup:
                 if received is not None:
                     exchange.reset()
                 nonfinite = exchange.average(self._my_slice(pending, host), commit=False)
-                count = torch.tensor([1.0 if pending.contributes else 0.0], device=quorum.comm.device)
-                took_part = float(quorum.comm.all_reduce(count, tag="control").item())
+                # what each replica says: whether its block counts, whether it asks to stop (a callback,
+                # a time limit), and the step at which its own limits end its fit
+                said = [1.0 if pending.contributes else 0.0, 1.0 if pending.stop else 0.0, pending.planned_end]
+                said.append(float(pending.apply_at))  # (a replica that joined the sync late says 0)
+                rows = quorum.comm.all_gather(
+                    torch.tensor(said, dtype=torch.float64, device=quorum.comm.device), tag="control"
+                ).cpu()
+                took_part = float(rows[:, 0].sum())
+                # the run ends for every replica at the same step: when this sync lands if one asked to
+                # stop, else where the first replica's own limits end it
+                end = float(rows[:, 2].min())
+                pending.run_end = min(end, float(rows[:, 3].max())) if bool(rows[:, 1].any()) else end
                 if took_part > 0 and took_part != quorum.comm.world_size:
                     pending.grad.mul_(quorum.comm.world_size / took_part)  # the mean over those who trained
                 if pending.buffers is not None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -77,6 +78,9 @@ class _Exchange:
     healed: dict[str, Any] | None = None  # fault tolerance: the shared state received at this sync, to adopt
     launched: Tensor | None = None  # keep_local_progress: this rank's local weights of the fragment at the launch
     buffers: Tensor | None = None  # fault tolerance: the module's float buffers, averaged across replicas too
+    stop: bool = False  # fault tolerance: this replica asks the run to stop (a callback, a time limit)
+    planned_end: float = math.inf  # fault tolerance: the optimizer step at which this replica's limits end fit
+    run_end: float = math.inf  # fault tolerance: the step at which the run ends, agreed at this sync
 
 
 OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
@@ -295,6 +299,8 @@ class PeriodicSyncStrategy(CommStrategy):
         self.outer_state = outer_state
         # this replica's membership in a fault-tolerant run (every rank's torchft Manager)
         self.replicas: ReplicaGroup | None = None if ft is None else ReplicaGroup(ft)
+        self._run_end = math.inf  # fault tolerance: the optimizer step at which every replica's fit ends
+        self._stop_requested = False  # fault tolerance: a callback asked to stop; agreed at the next sync
         self.started = False  # past the warm start
         self.outer: OuterOptimizer | None = None
         self._block_start: list[int] = []  # progress when each fragment's current block began
@@ -447,6 +453,8 @@ class PeriodicSyncStrategy(CommStrategy):
                         self._apply()
         elif self._progress() >= self.parallelization_start:
             self._start()
+        if self.optimizer_steps >= self._run_end and self.trainer is not None:
+            self.trainer.should_stop = True  # the run's agreed end: every replica stops after this step
 
     @override
     def on_train_start(self) -> None:
@@ -459,6 +467,20 @@ class PeriodicSyncStrategy(CommStrategy):
                 # applied now, before the run's state is agreed, so that none is in flight across it
                 self._apply()
             self.replicas.first_quorum(self)
+            trainer = self.trainer
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, AgreedStop)]
+                trainer.callbacks.append(AgreedStop(self))
+                if self._inflight is not None:  # joined the run's sync under way: its agreement holds already
+                    self._run_end = min(self._run_end, self._inflight.run_end)
+                if self.optimizer_steps >= self._run_end:  # joined at the run's last sync: nothing left to train
+                    trainer.should_stop = True
+                assert self.replicas.sync is not None and self.fault_tolerance is not None
+                if self.replicas.sync.step > 1:
+                    # a replica that joined a running run (restarted, or resumed): a fresh data order.
+                    # Its place in its own old order is lost with it; replaying that order from the
+                    # start of the epoch would feed the run again the batches it trained on before.
+                    reseed_samplers(trainer, self.fault_tolerance.data_seed(self.replicas.sync.step))
         self._schedule_checked = False
 
     @override
@@ -510,6 +532,7 @@ class PeriodicSyncStrategy(CommStrategy):
         if self.replicas is not None:
             if fragment == self.num_fragments - 1:  # once per period: the buffers travel with the last fragment
                 pending.buffers = self._buffer_snapshot()
+            pending.stop, pending.planned_end = self._stop_requested, self._planned_end()
             self.replicas.set_offer(self.replica_state(pending))  # read by a healing peer in this sync's quorum
         if background and (self.replica_comm.world_size > 1 or self.fault_tolerance is not None):
             if self._pool is None:
@@ -555,6 +578,7 @@ class PeriodicSyncStrategy(CommStrategy):
         assert pending is not None
         if pending.healed is not None:  # this replica healed at this sync: it takes the run's state first
             self.adopt(pending.healed)
+        self._run_end = min(self._run_end, pending.run_end)
         assert self.outer is not None
         f = pending.fragment
         if pending.took_part == 0:  # every replica of the quorum was taking the run's state: nothing to step with
@@ -620,6 +644,9 @@ class PeriodicSyncStrategy(CommStrategy):
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self.replicas is not None:
+            rid = self.fault_tolerance.replica_id if self.fault_tolerance is not None else ""
+            self.replicas.finish(f"replica {rid!r} finished it at optimizer step {self.optimizer_steps}")
         self.release_resources()  # the run is over for this replica: leave the quorums
         super().on_train_end()
 
@@ -675,6 +702,7 @@ class PeriodicSyncStrategy(CommStrategy):
             "outer": self.outer.state_dict(),
             "buffers": [] if module is None else [b.detach().clone() for b in module.buffers()],
             "sync": None if pending is None else (pending.fragment, pending.started_at, pending.apply_at),
+            "run_end": self._run_end,
             "lr_schedulers": schedulers,
             # the hyperparameters a schedule set (a scheduler's state alone does not restore them)
             "param_groups": [
@@ -693,6 +721,7 @@ class PeriodicSyncStrategy(CommStrategy):
         outer.load_state_dict(state["outer"], self.root_device)
         self.outer, self.started = outer, True
         self._block_start = [int(b) for b in state["block_start"]]
+        self._run_end = min(self._run_end, float(state.get("run_end", math.inf)))
         for f in range(self.num_fragments):
             self.load_flat(outer.start_point(f), f)
         module = self.lightning_module
@@ -729,6 +758,7 @@ class PeriodicSyncStrategy(CommStrategy):
         pending = _Exchange(fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False)
         if fragment == self.num_fragments - 1:
             pending.buffers = self._buffer_snapshot()
+        pending.planned_end = self._planned_end()
         self._inflight = pending
         return pending
 
@@ -759,6 +789,22 @@ class PeriodicSyncStrategy(CommStrategy):
             return [w.to(self.root_device) for w in state["outer"]["weights"]]
         assert self.outer is not None
         return [self.outer.global_weights(f) for f in range(self.num_fragments)]
+
+    def _planned_end(self) -> float:
+        """The optimizer step at which this replica's own limits (``max_steps``, ``max_epochs``) end its
+        fit; infinite when none does (a time limit or a callback: those ask to stop instead)."""
+        trainer = self.trainer
+        if trainer is None:
+            return math.inf
+        ends = [float(trainer.max_steps)] if trainer.max_steps is not None and trainer.max_steps >= 0 else []
+        batches = trainer.num_training_batches
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0 and math.isfinite(batches) and batches > 0:
+            accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1)), 1)
+            per_epoch = math.ceil(batches / accumulate)
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready // accumulate  # this epoch's steps
+            epochs_after = trainer.max_epochs - trainer.current_epoch - 1
+            ends.append(float(self.optimizer_steps + per_epoch - done + epochs_after * per_epoch))
+        return min(ends, default=math.inf)
 
     def _buffer_snapshot(self) -> Tensor | None:
         """The module's floating-point buffers as one vector, made equal over this replica's ranks
@@ -997,6 +1043,44 @@ def set_trainer_steps(trainer: Any, steps: int) -> None:
     progress.total.ready = steps
     progress.total.completed = steps - inside
     epoch_loop._batches_that_stepped = steps - inside
+
+
+class AgreedStop(Callback):
+    """Fault tolerance: a stop asked by a callback or a time limit (``trainer.should_stop``) waits for the
+    next sync, where the replicas agree on it, so that every replica's fit ends at the same step.
+    Installed last by the periodic strategy (after ``EarlyStopping`` and ``Timer`` decided)."""
+
+    def __init__(self, strategy: PeriodicSyncStrategy) -> None:
+        self.strategy = strategy
+
+    def _defer(self, trainer: Any) -> None:
+        strategy = self.strategy
+        if trainer.should_stop and strategy.optimizer_steps < strategy._run_end:
+            strategy._stop_requested = True
+            trainer.should_stop = False
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self._defer(trainer)
+
+    def on_validation_end(self, trainer: Any, *args: Any) -> None:
+        self._defer(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
+        self._defer(trainer)
+
+
+def reseed_samplers(trainer: Any, seed: int) -> None:
+    """Give the training dataloaders' distributed samplers (the ones Lightning put in) ``seed``."""
+    from torch.utils.data import DistributedSampler
+
+    combined = trainer.fit_loop._combined_loader
+    for loader in [] if combined is None else combined.flattened:
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            sampler.seed = seed
+        batch_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        if isinstance(batch_sampler, DistributedSampler):
+            batch_sampler.seed = seed
 
 
 def reset_momentum(optimizer: Optimizer, param_ids: set[int] | None = None) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -237,6 +237,10 @@ def main() -> None:
         global_step, lr = run_fabric(spec, strategy, model, data, kill)
     else:
         callbacks: list = [Killer()]
+        if spec.get("early_stop_below") is not None:  # stops at the first validation whose loss is below it
+            callbacks.append(
+                EarlyStopping(monitor="val_loss", stopping_threshold=spec["early_stop_below"], patience=1000)
+            )
         if spec.get("ckpt_every"):  # every k steps, all kept: <out>/<rid>/ckpts/step=<k>.ckpt
             ckpts = ModelCheckpoint(
                 dirpath=out / rid / "ckpts", filename="{step}", every_n_train_steps=spec["ckpt_every"], save_top_k=-1
@@ -246,7 +250,10 @@ def main() -> None:
             accelerator="cpu",
             devices=spec.get("devices", 1),
             strategy=strategy,
-            max_steps=spec["max_steps"],
+            max_steps=spec.get("max_steps", -1),
+            max_epochs=spec.get("max_epochs"),
+            limit_train_batches=spec.get("limit_train_batches"),
+            val_check_interval=spec.get("val_check_interval"),
             limit_val_batches=spec.get("limit_val_batches", 0),
             enable_checkpointing=bool(spec.get("ckpt_every")),
             logger=False,

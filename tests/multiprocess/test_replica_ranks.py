@@ -144,3 +144,54 @@ def test_a_full_restart_continues_from_the_newest_checkpoint():
     assert a["heals"] and not b["heals"]
     assert_agreement(results)
     assert a["global_step"] == b["global_step"] == 64
+
+
+def test_max_epochs_ends_every_replica_at_the_same_step_after_a_kill_and_a_heal():
+    # 40 batches an epoch, 2 epochs: 80 steps. b dies at step 12 and comes back; healed, it takes over
+    # the run's step count but starts its own epoch from its first batch, so its own limit would end it
+    # later. The replicas agree at every sync on the first end: both stop at step 80.
+    one = {"devices": 1, "max_steps": -1, "max_epochs": 2, "limit_train_batches": 40}
+    with FTRun(min_replicas=1) as run:
+        run.start("a", spec(0, **one))
+        run.start("b", spec(1, **one, kill={"after_step": 12}))
+        assert run.wait_dead("b") != 0
+        time.sleep(RESTART_AFTER)
+        run.start("b", spec(2, **one))
+        results = run.wait()
+    a, b = results["a"], results["b"]
+    assert b["heals"] and b["heals"][0]["step"] > 2, b["heals"]
+    assert a["global_step"] == b["global_step"] == 80
+    assert_agreement(results)
+
+
+def test_early_stopping_on_one_replica_ends_every_replica_at_the_next_sync():
+    # Only a has EarlyStopping (its first validation, after 150 batches of its epoch, is below the
+    # threshold); b dies at step 6 and is back (healed) well before. The stop waits for the next sync
+    # (step 152), where both agree on it; b, which validates at other steps, stops there too.
+    val = {"devices": 1, "max_steps": 400, "limit_val_batches": 2, "val_check_interval": 150}
+    with FTRun(min_replicas=1) as run:
+        run.start("a", spec(0, **val, early_stop_below=100.0))
+        run.start("b", spec(1, **val, kill={"after_step": 6}))
+        assert run.wait_dead("b") != 0
+        time.sleep(RESTART_AFTER)
+        run.start("b", spec(2, **val))
+        results = run.wait()
+    a, b = results["a"], results["b"]
+    assert b["heals"], b
+    assert a["global_step"] == b["global_step"] == 152  # the first sync after a asked to stop
+    assert_agreement(results)
+
+
+def test_a_replica_started_after_the_run_ended_exits_at_once_saying_why():
+    one = {"devices": 1, "max_steps": 24, "min_replicas": 2}
+    with FTRun(min_replicas=2) as run:
+        for i, rid in enumerate("ab"):
+            run.start(rid, spec(i, **one))
+        run.wait()
+        began = time.monotonic()
+        run.start("c", spec(2, **one))
+        code = run.wait_dead("c", timeout=60)
+        took = time.monotonic() - began
+        log = (run.out / "c.1.log").read_text()
+    assert code != 0 and "the run has ended" in log and "finished it at optimizer step 24" in log, log[-2000:]
+    assert took < 10 + 5, took  # (within 10 s of joining; the process's own start-up is a few seconds more)
