@@ -495,8 +495,8 @@ def run_attempts(
     )
 
 
-def lighthouse_main(argv: list[str] | None = None) -> None:
-    """``commstrats-lighthouse --port P --min-replicas K``: run torchft's Lighthouse until interrupted."""
+def lighthouse_parser() -> argparse.ArgumentParser:
+    """The command line of ``commstrats-lighthouse``."""
     parser = argparse.ArgumentParser(
         prog="commstrats-lighthouse",
         description="Start the torchft Lighthouse that forms the quorums of a fault-tolerant periodic run.",
@@ -507,8 +507,10 @@ def lighthouse_main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--join-timeout-ms",
         type=int,
-        default=1000,
-        help="how long a quorum waits for more replicas once min-replicas have joined, ms",
+        default=5000,
+        # above FaultTolerance.quorum_renew_interval (2 s by default), which a waiting replica renews
+        # its request at: the join timeout counts from the oldest pending request
+        help="how long a quorum waits for more replicas once min-replicas have joined, ms (default 5000)",
     )
     parser.add_argument(
         "--store-port", type=int, default=None, help="port of the run's store (default: the Lighthouse's port + 1)"
@@ -517,6 +519,12 @@ def lighthouse_main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--heartbeat-timeout-ms", type=int, default=5000, help="a replica silent this long counts as dead, ms"
     )
+    return parser
+
+
+def lighthouse_main(argv: list[str] | None = None) -> None:
+    """``commstrats-lighthouse --port P --min-replicas K``: run torchft's Lighthouse until interrupted."""
+    parser = lighthouse_parser()
     args = parser.parse_args(argv)
     if args.min_replicas < 1:
         parser.error(f"--min-replicas must be >= 1, got {args.min_replicas}")

@@ -184,3 +184,66 @@ def test_fingerprint_tells_models_apart_by_their_bits_whatever_the_chunking(monk
     monkeypatch.setattr(replicas, "FINGERPRINT_CHUNK", 7)
     assert torch.equal(base, replicas.fingerprint(model))
     assert torch.equal(base, replicas.fingerprint([torch.cat(model)[:400], torch.cat(model)[400:]]))
+
+
+def test_the_lighthouse_default_join_timeout_leaves_room_for_a_renewal():
+    # a waiting replica renews its request every quorum_renew_interval; the Lighthouse's join timeout,
+    # counted from the oldest pending request, must be longer, or the renewal cannot keep it fresh
+    from lightning_commstrats.fault_tolerance import lighthouse_parser
+
+    join_ms = lighthouse_parser().parse_args([]).join_timeout_ms
+    assert FaultTolerance(**FT).quorum_renew_interval * 1000 < join_ms
+
+
+def test_a_quorum_request_that_fails_at_once_is_not_retried_in_a_busy_loop():
+    # the Manager shut down (or the Lighthouse gone) while a sync waits for a quorum: every request
+    # fails at once; the wait renews at the renewal's pace until quorum_timeout, then says so
+    from datetime import timedelta  # noqa: F401 (the fake takes torchft's arguments)
+
+    from lightning_commstrats.fault_tolerance import ReplicaSync
+
+    calls = []
+
+    class Gone:
+        _quorum_future = None
+
+        def start_quorum(self, timeout):
+            calls.append(timeout)
+            raise RuntimeError("manager is shut down")
+
+    sync = object.__new__(ReplicaSync)
+    sync.config = FaultTolerance(**{**FT, "quorum_timeout": 1.5, "timeout": 1.0, "quorum_renew_interval": 0.5})
+    sync.manager, sync.closed, sync.run_store, sync._received = Gone(), False, None, None
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="within quorum_timeout=1.5 s"):
+        sync.quorum()
+    assert 1.4 < time.monotonic() - start < 5
+    assert len(calls) <= 5, len(calls)
+
+
+def test_a_quorum_timeout_above_the_collective_timeout_is_refused():
+    settings = {**FT, "quorum_timeout": 120.0}
+    with pytest.raises(ValueError, match=r"quorum_timeout=120.0 s must be below timeout=60 s"):
+        DiLoCoStrategy(fault_tolerance=settings, timeout=60)
+    DiLoCoStrategy(fault_tolerance=settings, timeout=600)
+
+
+def test_sparseloco_takes_fault_tolerance_and_the_refusals_name_it():
+    from lightning_commstrats import SparseLoCoStrategy
+
+    assert SparseLoCoStrategy(fault_tolerance=FT).fault_tolerance == FaultTolerance(**FT)
+    with pytest.raises(ValueError, match="sparseloco"):
+        OneBitSGDStrategy(fault_tolerance=FT)
+
+
+def test_slices_cut_whole_tensors_into_runs_of_about_equal_size():
+    from lightning_commstrats.replicas import slice_bounds
+
+    sizes = [100, 5, 5, 90, 200, 1]
+    for parts in (1, 2, 3, 4, 8):
+        bounds = slice_bounds(sizes, parts)
+        assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
+        assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))  # contiguous, every tensor once
+    assert slice_bounds(sizes, 2) == [(0, 4), (4, 6)]  # 200 | 201
+    one = slice_bounds([7], 3)  # fewer tensors than parts: the others' runs are empty
+    assert sorted(e - b for b, e in one) == [0, 0, 1]
