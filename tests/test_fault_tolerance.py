@@ -4,6 +4,7 @@ The real multi-replica runs are in tests/multiprocess/test_fault_tolerance_ranks
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 
@@ -215,7 +216,7 @@ def test_a_quorum_request_that_fails_at_once_is_not_retried_in_a_busy_loop():
     sync.config = FaultTolerance(**{**FT, "quorum_timeout": 1.5, "timeout": 1.0, "quorum_renew_interval": 0.5})
     sync.manager, sync.closed, sync.run_store, sync._received = Gone(), False, None, None
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="within quorum_timeout=1.5 s"):
+    with pytest.raises(TimeoutError, match=r"within quorum_timeout=1\.5 s"):
         sync.quorum()
     assert 1.4 < time.monotonic() - start < 5
     assert len(calls) <= 5, len(calls)
@@ -243,7 +244,7 @@ def test_slices_cut_whole_tensors_into_runs_of_about_equal_size():
     for parts in (1, 2, 3, 4, 8):
         bounds = slice_bounds(sizes, parts)
         assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
-        assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))  # contiguous, every tensor once
+        assert all(b[1] == c[0] for b, c in itertools.pairwise(bounds))  # contiguous, every tensor once
     assert slice_bounds(sizes, 2) == [(0, 4), (4, 6)]  # 200 | 201
     one = slice_bounds([7], 3)  # fewer tensors than parts: the others' runs are empty
     assert sorted(e - b for b, e in one) == [0, 0, 1]

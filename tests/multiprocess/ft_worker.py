@@ -136,7 +136,8 @@ def main() -> None:
         quorums.append(q.comm.world_size)
         if q.healed is not None:
             heals.append({"step": q.step, "optimizer_steps": strategy.optimizer_steps})
-        if kill and "sync" in kill and self.step == kill["sync"] and kill.get("rank", strategy.global_rank) == strategy.global_rank:
+        mine = kill and kill.get("rank", strategy.global_rank) == strategy.global_rank
+        if mine and "sync" in kill and self.step == kill["sync"]:
             count = {"n": 0}
             comm = q.comm
             for name in ("_all_reduce", "_all_to_all", "_all_gather", "_broadcast"):

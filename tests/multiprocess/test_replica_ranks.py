@@ -96,7 +96,11 @@ def test_a_dead_rank_takes_its_replica_out_and_the_restarted_replica_heals_rank_
     [
         ("diloco", {"sync_period": 8}, 2),
         ("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}, 3),
-        ("streaming_diloco", {"sync_period": 8, "pseudo_grad_bits": 4, "num_fragments": 2, "fragment_sync_delay": 1}, 3),
+        (
+            "streaming_diloco",
+            {"sync_period": 8, "pseudo_grad_bits": 4, "num_fragments": 2, "fragment_sync_delay": 1},
+            3,
+        ),
     ],
     ids=["fp32", "4bit", "streaming"],
 )

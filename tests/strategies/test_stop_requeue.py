@@ -73,8 +73,12 @@ class Recorder:
         self.commands: list[list[str]] = []
 
     def save_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> None:
-        frames = [f.name for f in traceback.extract_stack()]
-        self.saves.append({"path": str(path), "frames": frames})
+        stack = traceback.extract_stack()
+        in_handler = any(
+            f.name == "notify_requeue" or (f.name == "__call__" and f.filename.endswith("signal_connector.py"))
+            for f in stack
+        )  # _HandlersCompose.__call__: a signal handler of Lightning's, or the agreement's own
+        self.saves.append({"path": str(path), "frames": [f.name for f in stack], "in_handler": in_handler})
 
     def call(self, cmd: Any, *args: Any, **kwargs: Any) -> int:
         self.commands.append(list(cmd))
@@ -161,7 +165,7 @@ def poll_until_stop(agreement: StopAgreement, batches: int = 5) -> int:
 
 
 def test_the_requeue_signal_handler_only_notes_the_signal(slurm, tmp_path, monkeypatch, connectors):
-    agreement, trainer, _, recorder = install(tmp_path, monkeypatch, connectors)
+    agreement, _, _, recorder = install(tmp_path, monkeypatch, connectors)
     handler = signal.getsignal(signal.SIGUSR1)
     assert isinstance(handler, _HandlersCompose)
     assert handler.signal_handlers == [agreement.notify_requeue]  # Lightning's own is not among them
@@ -185,8 +189,9 @@ def test_a_requeue_inside_a_collective_saves_at_the_next_round_outside_the_handl
     collective()
     assert seen_inside == [(True, 0)]  # noted inside the collective, nothing saved there
     assert recorder.saves == []
+    agreement.poll()  # batch 2: round 1 (before the signal) is clear; round 2 carries the flag
+    assert recorder.saves == []
     with pytest.raises(SIGTERMException):
-        agreement.poll()  # batch 2: round 1 (before the signal) is clear; round 2 carries the flag
         agreement.poll()  # batch 3: round 2 says stop, the requeue round says requeue
     assert agreement.requeued_at_batch == agreement.stopped_at_batch == 3
     assert channel.sent == [0, 1, 1]  # the two stop rounds, then the requeue round, once
@@ -194,7 +199,7 @@ def test_a_requeue_inside_a_collective_saves_at_the_next_round_outside_the_handl
     save = recorder.saves[0]
     assert save["path"] == os.path.join(str(tmp_path), "hpc_ckpt_1.ckpt")
     assert "poll" in save["frames"]
-    assert "notify_requeue" not in save["frames"] and "__call__" not in save["frames"]  # not in a handler
+    assert not save["in_handler"]
     assert recorder.commands == [["scontrol", "requeue", JOB_ID]]
     assert trainer.received_sigterm
 
@@ -230,7 +235,8 @@ def test_without_slurm_requeue_the_sigterm_rounds_are_unchanged(tmp_path, monkey
     assert signal.getsignal(signal.SIGUSR1) is before  # Lightning registered nothing, nor did the agreement
     agreement.poll()
     deliver(signal.SIGTERM, agreement)
-    assert poll_until_stop(agreement) == 2  # the third batch: the second round carries the flag
+    poll_until_stop(agreement)
+    assert agreement.stopped_at_batch == 3  # the second round carries the flag
     assert channel.sent == [0, 1]  # no requeue round
     assert recorder.saves == []
 
@@ -240,8 +246,9 @@ def test_a_rank_that_stops_alone_saves_at_its_next_batch(slurm, tmp_path, monkey
     agreement.poll()
     deliver(signal.SIGUSR1, agreement)
     assert recorder.saves == []
-    assert poll_until_stop(agreement) == 1
-    assert len(recorder.saves) == 1 and "notify_requeue" not in recorder.saves[0]["frames"]
+    poll_until_stop(agreement)
+    assert agreement.stopped_at_batch == agreement.requeued_at_batch == 2
+    assert len(recorder.saves) == 1 and not recorder.saves[0]["in_handler"]
     assert recorder.commands == [["scontrol", "requeue", JOB_ID]]
 
 
@@ -252,20 +259,24 @@ def test_detach_gives_lightning_its_requeue_handler_back(slurm, tmp_path, monkey
     assert "_slurm_sigusr_handler_fn" not in vars(connector)
     assert connector._slurm_sigusr_handler_fn.__func__ is _SignalConnector._slurm_sigusr_handler_fn
     assert channel.closed
-    # a second fit takes Lightning's handler over again, not the stand-in of the first
-    agreement.attach(trainer, TwoRanks(ScriptedChannel()))
-    assert agreement._requeue is not None
-    assert agreement._requeue.__func__ is _SignalConnector._slurm_sigusr_handler_fn
+    # a second fit takes Lightning's handler over again, not the stand-in of the first, even when
+    # the first was never detached
+    for _ in range(2):
+        agreement.attach(trainer, TwoRanks(ScriptedChannel()))
+        assert agreement._requeue is not None
+        assert agreement._requeue.__func__ is _SignalConnector._slurm_sigusr_handler_fn
+        assert connector._slurm_sigusr_handler_fn == agreement.notify_requeue
     agreement.detach()
 
 
+@pytest.mark.multiprocess
 def test_a_requeue_inside_a_collective_saves_on_every_rank_at_the_same_batch():
     """Two real ranks under a simulated SLURM job with auto-requeue: rank 0 sends the requeue signal
     to rank 1 while rank 1 is blocked in a gradient collective. Every rank runs the save at the same
     batch, outside the handler and outside any collective, rank 0 (which never got the signal) runs
     the fake ``scontrol requeue`` once, and every rank ends on ``SIGTERMException`` at that batch."""
     spec = {"strategy": "allreduce", "max_steps": 200, "signal": {"rank": 0, "target": 1, "nth": 4}}
-    results = run_ranks(spec, 2, script=WORKER, timeout=120)
+    results = run_ranks(spec, 2, script=WORKER, timeout=60)
     assert all(r["exception"] == "SIGTERMException" for r in results), results
     assert results[1]["requeue_noted_in_collective"], results  # the signal did come inside the collective
     saves = [r["saves"] for r in results]
