@@ -193,9 +193,12 @@ def test_replicas_at_the_same_step_with_different_models_take_one_before_averagi
     assert_agreement(results)
 
 
-def chaos_schedule(seed: int, replicas: str, kills: int, first: int, last: int) -> dict[str, list[dict]]:
+def chaos_schedule(
+    seed: int, replicas: str, kills: int, first: int, last: int, ranks: int = 1
+) -> dict[str, list[dict]]:
     """Per replica, the kill points of its successive lives: ``kills`` in all, at random optimizer steps
-    in [first, last] (at least 16 steps apart), half mid-block, half inside an exchange."""
+    in [first, last] (at least 16 steps apart), half mid-block, half inside an exchange. With replicas
+    of several ``ranks``, a kill takes one rank (either) or the whole replica, a third each."""
     rng = random.Random(seed)
     steps = sorted(rng.sample(range(first, last, 16), kills))
     plan: dict[str, list[dict]] = {rid: [] for rid in replicas}
@@ -206,18 +209,27 @@ def chaos_schedule(seed: int, replicas: str, kills: int, first: int, last: int) 
             plan[victim].append({"after_step": step + rng.randrange(8)})
         else:  # the sync at about this step (committed step = syncs so far + 1), in one of its collectives
             plan[victim].append({"sync": step // 8 + 1, "collective": rng.randint(1, 4)})
+        if ranks > 1:
+            who = rng.choice([*range(ranks), None])
+            if who is not None:
+                plan[victim][-1]["rank"] = who
     return plan
 
 
-def run_chaos(plan: dict[str, list[dict]], max_steps: int, seed: int) -> dict:
-    sk = {"sync_period": 8, "pseudo_grad_bits": 4}
+def run_chaos(plan: dict[str, list[dict]], max_steps: int, seed: int, **extra) -> dict:
+    sk = {"sync_period": 8, "pseudo_grad_bits": 4, **extra.pop("scheme_kwargs", {})}
     lives = dict.fromkeys(plan, 0)
     with FTRun(min_replicas=2) as run:
         for i, rid in enumerate(plan):
             run.start(
                 rid,
                 spec(
-                    seed * 10 + i, max_steps=max_steps, step_sleep=0.1, scheme_kwargs=sk, kill=(plan[rid] or [None])[0]
+                    seed * 10 + i,
+                    max_steps=max_steps,
+                    step_sleep=0.1,
+                    scheme_kwargs=sk,
+                    kill=(plan[rid] or [None])[0],
+                    **extra,
                 ),
             )
         pending = {rid for rid in plan if plan[rid]}
@@ -236,7 +248,14 @@ def run_chaos(plan: dict[str, list[dict]], max_steps: int, seed: int) -> dict:
                 nxt = plan[rid][lives[rid]] if lives[rid] < len(plan[rid]) else None
                 run.start(
                     rid,
-                    spec(seed * 10 + 5 + lives[rid], max_steps=max_steps, step_sleep=0.1, scheme_kwargs=sk, kill=nxt),
+                    spec(
+                        seed * 10 + 5 + lives[rid],
+                        max_steps=max_steps,
+                        step_sleep=0.1,
+                        scheme_kwargs=sk,
+                        kill=nxt,
+                        **extra,
+                    ),
                 )
                 if nxt is None:
                     pending.discard(rid)
