@@ -241,7 +241,7 @@ def replica_package(spec: dict[str, Any], log: Events) -> None:
 
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=spec.get("ranks", 1),
         strategy=strategy,
         max_steps=spec["rounds"] * h,
         max_epochs=-1,
@@ -259,7 +259,8 @@ def replica_package(spec: dict[str, Any], log: Events) -> None:
     trainer.fit(model, datamodule=dm)
     # on_train_end loaded the global model into the parameters
     final = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
-    torch.save(final, Path(spec["run_dir"]) / f"final.{spec['rid']}.pt")
+    if trainer.global_rank == 0:
+        torch.save(final, Path(spec["run_dir"]) / f"final.{spec['rid']}.pt")
     log(
         "end",
         round=strategy.optimizer_steps // h,
@@ -299,14 +300,27 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
     def state_dict() -> dict[str, Any]:
         return {"model": net.state_dict(), "inner_optimizer": inner.state_dict()}
 
+    rank, ranks = spec["rank"], spec.get("ranks", 1)
     data = dm.dataset("train")
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=data_seed(rid))
+    sampler = DistributedSampler(data, num_replicas=ranks, rank=rank, shuffle=True, seed=data_seed(rid))
     loader = DataLoader(data, batch_size=spec["data"]["batch_size"], sampler=sampler, drop_last=True)
     local_steps, epoch, first = 0, 0, True
     # the Manager (and its heartbeats) starts after the go, as the package's does in Trainer.fit
     wait_for_go(spec, log)
     timeout = timedelta(seconds=spec["timeout"])
-    store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    if rank == 0:  # the replica's stores: one for its own process group, one for torchft (as torchrun's)
+        group_store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        spec["stores"] = [group_store.port, store.port]
+        for r in range(1, ranks):  # the replica's other ranks, in its process group (a kill takes them all)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_replica", json.dumps({**spec, "rank": r})]
+            subprocess.Popen(cmd)
+    else:
+        group_store = TCPStore(spec["address"], spec["stores"][0], is_master=False, timeout=timeout)
+    group = None
+    if ranks > 1:  # gradients averaged inside the replica at every step, as the package's replica does
+        torch.distributed.init_process_group("gloo", store=group_store, rank=rank, world_size=ranks, timeout=timeout)
+        group = torch.distributed.group.WORLD
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=load_state_dict,
@@ -317,10 +331,10 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
         timeout=timeout,
         quorum_timeout=timedelta(seconds=spec["quorum_timeout"]),
         connect_timeout=timedelta(seconds=spec["connect_timeout"]),
-        rank=0,
-        world_size=1,
+        rank=rank,
+        world_size=ranks,
         store_addr=spec["address"],
-        store_port=store.port,
+        store_port=spec["stores"][1] if ranks > 1 else store.port,
         lighthouse_addr=spec["lighthouse"],
         replica_id=rid,
         hostname=spec["address"],
@@ -341,6 +355,15 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
                 inner.zero_grad()
                 loss = lm_loss(net(x), y)
                 loss.backward()
+                if group is not None:
+                    grads = [p.grad for p in net.parameters() if p.grad is not None]
+                    flat = torch.cat([g.flatten() for g in grads])
+                    torch.distributed.all_reduce(flat, group=group)
+                    flat /= ranks
+                    offset = 0
+                    for g in grads:
+                        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                        offset += g.numel()
                 torch.nn.utils.clip_grad_norm_(net.parameters(), spec["clip"])
                 before = manager.current_step()
                 inner.step()  # every H-th: quorum (healing first), fp32 all-reduce, commit, outer step
@@ -371,7 +394,8 @@ def replica_torchft(spec: dict[str, Any], log: Events) -> None:
                     break
             epoch += 1
     final = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    torch.save(final, Path(spec["run_dir"]) / f"final.{rid}.pt")
+    if rank == 0:
+        torch.save(final, Path(spec["run_dir"]) / f"final.{rid}.pt")
     log("end", round=manager.current_step(), local_steps=local_steps, digest=digest_state(final))
     manager.shutdown(wait=False)
 
@@ -380,9 +404,13 @@ def replica_main(spec_json: str) -> None:
     import logging
 
     spec = json.loads(spec_json)
-    log = Events(
-        Path(spec["run_dir"]) / f"events.{spec['rid']}.{spec['incarnation']}.jsonl", spec["rid"], spec["incarnation"]
-    )
+    # rank r > 0 of a replica (Lightning's launcher re-runs this command with LOCAL_RANK set; the
+    # torchft replica starts its ranks itself): its events go to a file the controller does not read
+    rank = int(spec.get("rank", os.environ.get("LOCAL_RANK", 0)))
+    spec["rank"] = rank
+    name = f"events.{spec['rid']}.{spec['incarnation']}.jsonl"
+    path = Path(spec["run_dir"]) / (name if rank == 0 else f"rank{rank}-{name}")
+    log = Events(path, spec["rid"], spec["incarnation"])
     log("boot", pid=os.getpid(), hostname=socket.gethostname())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("torchft").setLevel(logging.INFO)
@@ -492,7 +520,7 @@ class Controller:
 
     def _start_lighthouse(self, plan: RunPlan) -> tuple[subprocess.Popen, Any, str]:
         a, n = self.args, self.args.replicas
-        self.port += 1
+        self.port += 2  # the package's Lighthouse serves its run store at the next port
         port = self.port if self.cluster else _free_port()
         common = [
             "--min-replicas",
@@ -746,7 +774,7 @@ def summarize(
     final_round_t = max((e["t"] for e in by_round.get(committed_rounds, [])), default=None)
     wall = final_round_t - t_go if final_round_t and t_go else None
     contributor_rounds = sum(contributors.values())
-    useful = contributor_rounds * h * batch
+    useful = contributor_rounds * h * batch * settings.get("ranks", 1)  # every rank of a replica reads a batch
     ends = [e for e in events if e["event"] == "end"]
     digests = sorted({e["digest"] for e in ends})
     starts = [e for e in events if e["event"] == "train_start"]
@@ -855,9 +883,10 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any], where: str) -> s
     lines = [
         f"# Goodput under faults ({where})",
         "",
-        f"{n} replicas (one process and one host each), {settings['config']} (vocabulary {settings['vocab_size']},"
+        f"{n} replicas ({settings.get('ranks', 1)} process(es) and one host each), {settings['config']}"
+        f" (vocabulary {settings['vocab_size']},"
         f" {settings['params'] / 1e6:.2f} M parameters), batch {rep['data']['batch_size']} windows of"
-        f" {rep['data']['seq_len']} tokens per replica and step, inner AdamW (lr {rep['model']['lr']}, weight decay"
+        f" {rep['data']['seq_len']} tokens per rank and step, inner AdamW (lr {rep['model']['lr']}, weight decay"
         f" {rep['model']['weight_decay']}, clip {rep['clip']:g}); DiLoCo H = {rep['sync_period']} inner steps,"
         f" outer Nesterov SGD lr {OUTER_LR} momentum {OUTER_MOMENTUM}; {rep['rounds']} committed outer rounds per run."
         f" Faults: SIGKILL of one replica's process group every {settings['kill_every']} rounds (at most"
@@ -1010,6 +1039,7 @@ def make_settings(args: argparse.Namespace, rate: float | None) -> dict[str, Any
         "vocab_size": dm.vocab_size,
         "params": params,
         "replicas": args.replicas,
+        "ranks": args.ranks,
         "kill_every": args.kill_every,
         "max_kills": args.max_kills,
         "restart_after": args.restart_after,
@@ -1028,6 +1058,7 @@ def make_settings(args: argparse.Namespace, rate: float | None) -> dict[str, Any
             "quorum_timeout": max(600.0, 3 * timeout),
             "connect_timeout": 30.0,
             "step_sleep": args.step_sleep,
+            "ranks": args.ranks,
         },
     }
 
@@ -1094,6 +1125,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=1, help="processes per replica (gradients averaged inside)")
     parser.add_argument("--min-replicas", type=int, default=2, help="fewest replicas a sync may average over")
     parser.add_argument("--sync-period", type=int, default=SYNC_PERIOD, help="H, inner steps per outer round")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="committed outer rounds per run")
