@@ -684,6 +684,14 @@ class Controller:
             running = [r for r in replicas if r.proc is not None and r.proc.poll() is None]
             for r in replicas:
                 if r.proc is not None and r.proc.poll() not in (None, 0) and not r.killed:
+                    log = plan.run_dir / f"{r.rid}.{r.incarnation}.log"
+                    if "has nothing to join: the run has ended" in log.read_text(errors="replace"):
+                        # restarted too late: the run's store told it the run was over, and it exited saying so
+                        r.killed = True
+                        plan.notes.append(
+                            f"{r.rid} (incarnation {r.incarnation}) came back after the run ended and exited, saying so"
+                        )
+                        continue
                     return f"replica {r.rid} (incarnation {r.incarnation}) exited with {r.proc.returncode}"
             if reader.ended() and first_end is None:
                 first_end = now

@@ -292,6 +292,11 @@ class ReplicaSync:
         self.closed = False
         self.run_store = RunStore.connect(config)
         self.check_ended()
+        # A renewal cancels the pending request: one that falls when the Lighthouse's join timeout
+        # elapses cancels the very quorum it waited for, round after round (measured: a run stalled
+        # for 2 minutes with both at 2 s). Kept below half the join timeout when the run's store says it.
+        join_ms = None if self.run_store is None else self.run_store.join_timeout_ms()
+        self.renew_interval = paced_renewal(config.quorum_renew_interval, join_ms)
         timeout = timedelta(seconds=config.timeout)
         # NCCL on CUDA, unless the exchange runs in a background thread (``host``): then gloo, the
         # tensors staged through host memory, so that thread never issues an NCCL collective beside
@@ -355,7 +360,7 @@ class ReplicaSync:
                 raise RuntimeError(f"replica {config.replica_id!r} has left the run (its Manager is shut down)")
             self.check_ended()  # every renewal: a replica that came back after the end learns it in seconds
             began = time.monotonic()
-            renew = max(min(config.quorum_renew_interval, deadline - began), 0.1)
+            renew = max(min(self.renew_interval, deadline - began), 0.1)
             try:
                 self.manager.start_quorum(timeout=timedelta(seconds=renew))
             except Exception as err:
@@ -413,6 +418,22 @@ def _advertised_http_transport(hostname: str, timeout: timedelta) -> Any:
     return Transport(timeout=timeout, num_chunks=0)
 
 
+def paced_renewal(interval: float, join_timeout_ms: int | None) -> float:
+    """The seconds between quorum renewals: ``interval``, kept at or below half the Lighthouse's join
+    timeout when it is known (a renewal at the moment the join timeout elapses cancels the quorum it
+    waited for)."""
+    if join_timeout_ms is None or interval <= join_timeout_ms / 2000:
+        return interval
+    log.warning(
+        "fault_tolerance.quorum_renew_interval=%s s is not below half the Lighthouse's join timeout (%d ms):"
+        " renewing every %.2f s instead",
+        interval,
+        join_timeout_ms,
+        join_timeout_ms / 2000,
+    )
+    return join_timeout_ms / 2000
+
+
 class RunEnded(RuntimeError):
     """The run this replica would join has ended (its other replicas finished it)."""
 
@@ -425,6 +446,7 @@ class RunStore:
     that comes back after the run ended then waits ``quorum_timeout`` and fails, as before."""
 
     KEY = "commstrats/run/ended"
+    JOIN_TIMEOUT_KEY = "commstrats/run/join_timeout_ms"
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -469,6 +491,15 @@ class RunStore:
             if self.store.check([self.KEY]):
                 return self.store.get(self.KEY).decode()
         except Exception:  # the store went away: no answer, the quorum decides
+            return None
+        return None
+
+    def join_timeout_ms(self) -> int | None:
+        """The Lighthouse's ``--join-timeout-ms`` (``None`` when the store does not say)."""
+        try:
+            if self.store.check([self.JOIN_TIMEOUT_KEY]):
+                return int(self.store.get(self.JOIN_TIMEOUT_KEY).decode())
+        except Exception:
             return None
         return None
 
@@ -546,6 +577,7 @@ def lighthouse_main(argv: list[str] | None = None) -> None:
     store = TCPStore(
         "0.0.0.0", args.store_port if args.store_port is not None else port + 1, is_master=True, wait_for_workers=False
     )
+    store.set(RunStore.JOIN_TIMEOUT_KEY, str(args.join_timeout_ms))  # the replicas pace their renewals by it
     print(
         f"commstrats-lighthouse: listening at {server.address()} (min replicas {args.min_replicas});"
         f" run store at port {store.port}",

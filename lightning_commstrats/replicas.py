@@ -394,7 +394,7 @@ class ReplicaGroup:
         received: dict[str, Any] | None = None  # the run's state, once this replica learned it is behind
 
         def attempt(_: int) -> bool:
-            nonlocal first, nonfinite, received, backup
+            nonlocal first, nonfinite, received, backup, buffers_backup
             quorum, first = first or self._quorum(), None
             if quorum.healed is not None:
                 received = quorum.healed
@@ -411,6 +411,7 @@ class ReplicaGroup:
                         # behind by a whole sync (its own failed): join the one the run is in
                         host.retarget(pending, received["sync"])
                         backup = pending.grad.clone()
+                        buffers_backup = None if pending.buffers is None else pending.buffers.clone()
                     pending.grad.zero_()
                     backup.zero_()
                 exchange = host.bind_exchange(quorum.comm)

@@ -215,6 +215,7 @@ def test_a_quorum_request_that_fails_at_once_is_not_retried_in_a_busy_loop():
     sync = object.__new__(ReplicaSync)
     sync.config = FaultTolerance(**{**FT, "quorum_timeout": 1.5, "timeout": 1.0, "quorum_renew_interval": 0.5})
     sync.manager, sync.closed, sync.run_store, sync._received = Gone(), False, None, None
+    sync.renew_interval = 0.5
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"within quorum_timeout=1\.5 s"):
         sync.quorum()
@@ -248,3 +249,20 @@ def test_slices_cut_whole_tensors_into_runs_of_about_equal_size():
     assert slice_bounds(sizes, 2) == [(0, 4), (4, 6)]  # 200 | 201
     one = slice_bounds([7], 3)  # fewer tensors than parts: the others' runs are empty
     assert sorted(e - b for b, e in one) == [0, 0, 1]
+
+
+def test_renewals_are_paced_by_the_lighthouse_join_timeout_from_the_run_store():
+    # a renewal that falls when the join timeout elapses cancels the quorum it waited for (a run
+    # stalled two minutes with both at 2 s): the replica renews at half the Lighthouse's join timeout
+    from torch.distributed import TCPStore
+
+    from lightning_commstrats.fault_tolerance import RunStore, paced_renewal
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    master.set(RunStore.JOIN_TIMEOUT_KEY, "2000")
+    store = RunStore.connect(FaultTolerance(**{**FT, "run_store": f"127.0.0.1:{master.port}"}))
+    assert store is not None and store.join_timeout_ms() == 2000 and store.ended() is None
+    assert paced_renewal(2.0, store.join_timeout_ms()) == 1.0
+    assert paced_renewal(0.5, 2000) == 0.5 and paced_renewal(2.0, None) == 2.0
+    store.mark_ended("replica 'x' finished it at optimizer step 7")
+    assert "step 7" in store.ended()

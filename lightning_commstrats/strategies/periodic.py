@@ -756,8 +756,7 @@ class PeriodicSyncStrategy(CommStrategy):
         step_schedulers_once(self.trainer)
         fragment, started_at, apply_at = state["sync"]
         pending = _Exchange(fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False)
-        if fragment == self.num_fragments - 1:
-            pending.buffers = self._buffer_snapshot()
+        pending.buffers = self._sent_buffers(fragment)
         pending.planned_end = self._planned_end()
         self._inflight = pending
         return pending
@@ -769,8 +768,7 @@ class PeriodicSyncStrategy(CommStrategy):
         pending.fragment, pending.started_at, pending.apply_at = fragment, started_at, 0
         pending.grad = torch.zeros_like(self.flat_weights(fragment))
         pending.launched = None  # the weights this replica launched were another fragment's
-        if pending.buffers is None and fragment == self.num_fragments - 1:
-            pending.buffers = self._buffer_snapshot()
+        pending.buffers = self._sent_buffers(fragment)
         return pending.grad
 
     def bind_exchange(self, comm: Communicator) -> TensorExchange:
@@ -805,6 +803,15 @@ class PeriodicSyncStrategy(CommStrategy):
             epochs_after = trainer.max_epochs - trainer.current_epoch - 1
             ends.append(float(self.optimizer_steps + per_epoch - done + epochs_after * per_epoch))
         return min(ends, default=math.inf)
+
+    def _sent_buffers(self, fragment: int) -> Tensor | None:
+        """The buffers a replica that does not contribute sends with ``fragment`` (zeros, not counted):
+        a vector of the right size with the period's last fragment, as the others send; no collective
+        (it may run in the exchange's thread)."""
+        module = self.lightning_module
+        if module is None or fragment != self.num_fragments - 1:
+            return None
+        return flat_buffers(list(module.buffers()))
 
     def _buffer_snapshot(self) -> Tensor | None:
         """The module's floating-point buffers as one vector, made equal over this replica's ranks

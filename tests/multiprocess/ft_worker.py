@@ -44,9 +44,10 @@ SCHEMES = {
 class Regression(L.LightningModule):
     """A two-layer MLP on a fixed random regression task (its matrices are large enough to be quantized)."""
 
-    def __init__(self, step_sleep: float = 0.0) -> None:
+    def __init__(self, step_sleep: float = 0.0, batchnorm: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+        norm = [nn.BatchNorm1d(64)] if batchnorm else []
+        self.net = nn.Sequential(nn.Linear(32, 64), *norm, nn.Tanh(), nn.Linear(64, 32))
         self.step_sleep = step_sleep
 
     def forward(self, x):
@@ -117,7 +118,7 @@ def main() -> None:
     out = Path(sys.argv[2])
     rid = spec["replica_id"]
     torch.manual_seed(spec.get("init_seed", 0))  # replicas may start from different initialisations
-    model = Regression(spec.get("step_sleep", 0.0))
+    model = Regression(spec.get("step_sleep", 0.0), spec.get("batchnorm", False))
     config = {"lighthouse": spec["lighthouse"], "replica_id": rid, "min_replicas": spec.get("min_replicas", 1)}
     config.update(spec.get("ft", {}))
     kwargs = dict(spec.get("scheme_kwargs", {}))
@@ -291,6 +292,8 @@ def main() -> None:
         "global": digest(weights),
         "outer_state": digest(opt),
         "model": digest([p for p in model.parameters()]),
+        "buffers": digest([b for b in model.buffers() if b.is_floating_point()]),
+        "running_mean": next((b.clone() for n, b in model.named_buffers() if n.endswith("running_mean")), None),
         "weights": [w.clone() for w in weights],
         "loss": loss,
         "lr": lr,

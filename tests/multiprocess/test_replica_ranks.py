@@ -218,3 +218,31 @@ def test_chaos_three_two_rank_replicas_kills_of_one_rank_and_of_whole_replicas()
     loss, calm_loss = results["a"]["loss"], calm["results"]["a"]["loss"]
     print(f"chaos (2-rank replicas): {chaos['deaths']} deaths, final loss {loss:.4f} against {calm_loss:.4f} calm")
     assert loss < 1.25 * calm_loss, (loss, calm_loss)
+
+
+def test_buffers_are_averaged_across_replicas_and_travel_with_a_heal():
+    # BatchNorm's running statistics see no gradient: each replica's own would drift apart. They are
+    # averaged across replicas at every period and a healed replica takes them from its source.
+    one = {"devices": 1, "max_steps": 48, "batchnorm": True, "min_replicas": 2}
+    with FTRun(min_replicas=2) as run:
+        run.start("a", spec(0, **one))
+        run.start("b", spec(1, **one, kill={"after_step": 12}))
+        run.start("c", spec(2, **one))
+        assert run.wait_dead("b") != 0
+        time.sleep(RESTART_AFTER)
+        run.start("b", spec(3, **one))
+        results = run.wait()
+    assert results["b"]["heals"]
+    assert len({r["buffers"] for r in results.values()}) == 1, {k: r["buffers"] for k, r in results.items()}
+    assert results["a"]["running_mean"].abs().sum() > 0  # the statistics did move
+    assert_agreement(results)
+
+
+def test_replicas_of_different_sizes_are_refused_naming_both():
+    with FTRun(min_replicas=2) as run:
+        run.start("a", spec(0, devices=1, min_replicas=2, max_steps=24))
+        run.start("b", spec(1, devices=2, min_replicas=2, max_steps=24))
+        codes = [run.wait_dead(rid, timeout=120) for rid in "ab"]
+        logs = (run.out / "a.1.log").read_text() + (run.out / "b.1.log").read_text()
+    assert all(c != 0 for c in codes), codes
+    assert "every replica of a run must have the same number of ranks" in logs, logs[-3000:]
