@@ -31,13 +31,13 @@ def test_bad_shard_settings_fail_at_construction():
         lc.DiLoCoStrategy(sync_period=4, shard="zero")
     with pytest.raises(ValueError, match="backend='mpi' cannot carry it"):
         lc.AllReduceStrategy(shard="fsdp", backend="mpi")
-    with pytest.raises(ValueError, match="fault_tolerance with shard='fsdp' is not supported"):
-        lc.DiLoCoStrategy(
-            sync_period=4,
-            sync_period_unit="steps",
-            shard="fsdp",
-            fault_tolerance={"min_replicas": 1, "lighthouse": "http://127.0.0.1:1", "replica_id": "r0"},
-        )
+    # fault tolerance composes with sharding (each job one sharded replica)
+    lc.DiLoCoStrategy(
+        sync_period=4,
+        sync_period_unit="steps",
+        shard="fsdp",
+        fault_tolerance={"min_replicas": 1, "lighthouse": "http://127.0.0.1:1", "replica_id": "r0"},
+    )
     with pytest.raises(ValueError, match="weighting='samples' is not supported with shard='fsdp'"):
         lc.ModelAveragingStrategy(shard="fsdp", weighting="samples")
     with pytest.raises(ValueError, match=r"outer_state='gpu' is not supported; choose one of \('host', 'device'\)"):

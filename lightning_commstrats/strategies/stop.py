@@ -108,8 +108,9 @@ class StopAgreement:
         self._requeue_signum = 0
 
     def attach(self, trainer: Any, comm: Communicator) -> None:
-        """Take over the Trainer's SIGTERM handling for one fit (before Lightning registers its
-        handlers: from the strategy's ``setup``). Every rank calls it at the same point."""
+        """Take over the Trainer's SIGTERM handling, and under SLURM with ``auto_requeue`` its
+        requeue handling, for one fit (before Lightning registers its handlers: from the strategy's
+        ``setup``). Every rank calls it at the same point."""
         connector = getattr(trainer, "_signal_connector", None)
         if connector is None or SIGTERMException is None or not hasattr(connector, "_sigterm_notifier_fn"):
             return  # another Lightning: its own handling stays
@@ -186,9 +187,10 @@ class StopAgreement:
         if first:
             log.info(
                 "rank %s: received the requeue signal %d; every rank saves an HPC checkpoint and stops at the"
-                " start of a training batch within two",
+                " start of a training batch within %d",
                 getattr(self._trainer, "global_rank", "?"),
                 signum,
+                2 * self.every,
             )
 
     def poll(self) -> None:
