@@ -294,7 +294,7 @@ class ReplicaSync:
         self.check_ended()
         # A renewal cancels the pending request: one that falls when the Lighthouse's join timeout
         # elapses cancels the very quorum it waited for, round after round (measured: a run stalled
-        # for 2 minutes with both at 2 s). Kept below half the join timeout when the run's store says it.
+        # for 2 minutes with both at 2 s). At most 0.4 join timeouts when the run's store says it.
         join_ms = None if self.run_store is None else self.run_store.join_timeout_ms()
         self.renew_interval = paced_renewal(config.quorum_renew_interval, join_ms)
         timeout = timedelta(seconds=config.timeout)
@@ -418,20 +418,26 @@ def _advertised_http_transport(hostname: str, timeout: timedelta) -> Any:
     return Transport(timeout=timeout, num_chunks=0)
 
 
+RENEW_SHARE = 0.4  # of the Lighthouse's join timeout: the default 2 s of the default 5000 ms
+
+
 def paced_renewal(interval: float, join_timeout_ms: int | None) -> float:
-    """The seconds between quorum renewals: ``interval``, kept at or below half the Lighthouse's join
-    timeout when it is known (a renewal at the moment the join timeout elapses cancels the quorum it
-    waited for)."""
-    if join_timeout_ms is None or interval <= join_timeout_ms / 2000:
+    """The seconds between quorum renewals: ``interval``, kept at or below 0.4 of the Lighthouse's join
+    timeout when it is known. A renewal cancels the pending request, and one that falls when the
+    join timeout elapses (``interval`` equal to it, or a whole fraction of it) can cancel the very
+    quorum it waited for, on every attempt."""
+    limit = None if join_timeout_ms is None else RENEW_SHARE * join_timeout_ms / 1000
+    if limit is None or interval <= limit:
         return interval
     log.warning(
-        "fault_tolerance.quorum_renew_interval=%s s is not below half the Lighthouse's join timeout (%d ms):"
+        "fault_tolerance.quorum_renew_interval=%s s is above %.1f of the Lighthouse's join timeout (%d ms):"
         " renewing every %.2f s instead",
         interval,
+        RENEW_SHARE,
         join_timeout_ms,
-        join_timeout_ms / 2000,
+        limit,
     )
-    return join_timeout_ms / 2000
+    return limit
 
 
 class RunEnded(RuntimeError):
