@@ -292,6 +292,10 @@ class ReplicaSync:
         self.closed = False
         self.run_store = RunStore.connect(config)
         self.check_ended()
+        if self.run_store is not None:  # the same size as the run's other replicas, before any quorum
+            ranks = self.run_store.claim_ranks(world_size)
+            if ranks != world_size:
+                raise ReplicaMismatch(mismatch_message(config.replica_id, world_size, ranks))
         # A renewal cancels the pending request: one that falls when the Lighthouse's join timeout
         # elapses cancels the very quorum it waited for, round after round (measured: a run stalled
         # for 2 minutes with both at 2 s). At most 0.4 join timeouts when the run's store says it.
@@ -440,6 +444,17 @@ def paced_renewal(interval: float, join_timeout_ms: int | None) -> float:
     return limit
 
 
+class ReplicaMismatch(ValueError):
+    """The replicas of a run cannot exchange: they have different numbers of ranks."""
+
+
+def mismatch_message(replica_id: str, mine: int, theirs: Any) -> str:
+    return (
+        f"replica {replica_id!r} has {mine} ranks and the run's replicas have {theirs}: every replica of a run must"
+        " have the same number of ranks (rank i of each exchanges the same part of the model)"
+    )
+
+
 class RunEnded(RuntimeError):
     """The run this replica would join has ended (its other replicas finished it)."""
 
@@ -453,6 +468,7 @@ class RunStore:
 
     KEY = "commstrats/run/ended"
     JOIN_TIMEOUT_KEY = "commstrats/run/join_timeout_ms"
+    RANKS_KEY = "commstrats/run/ranks_per_replica"
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -499,6 +515,10 @@ class RunStore:
         except Exception:  # the store went away: no answer, the quorum decides
             return None
         return None
+
+    def claim_ranks(self, ranks: int) -> int:
+        """The run's number of ranks per replica: the first replica to join sets it to ``ranks``."""
+        return int(self.store.compare_set(self.RANKS_KEY, "", str(ranks)).decode())
 
     def join_timeout_ms(self) -> int | None:
         """The Lighthouse's ``--join-timeout-ms`` (``None`` when the store does not say)."""

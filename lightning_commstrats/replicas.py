@@ -46,7 +46,15 @@ from lightning_commstrats.comm.base import CollectiveError
 from lightning_commstrats.comm.stats import CommStats
 from lightning_commstrats.comm.torch_dist import LivenessWatch
 from lightning_commstrats.compression.exchange import TensorExchange
-from lightning_commstrats.fault_tolerance import FaultTolerance, Quorum, ReplicaSync, RunEnded, run_attempts
+from lightning_commstrats.fault_tolerance import (
+    FaultTolerance,
+    Quorum,
+    ReplicaMismatch,
+    ReplicaSync,
+    RunEnded,
+    mismatch_message,
+    run_attempts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +84,6 @@ class ReplicaHost(Protocol):
 
     def global_tensors(self, state: dict[str, Any] | None) -> list[Tensor]:
         """The global model this rank holds (its shard when sharded), or the one in ``state``."""
-
-
-class ReplicaMismatch(ValueError):
-    """The replicas of a quorum cannot exchange (they have different numbers of ranks)."""
 
 
 class PeerWatch:
@@ -219,7 +223,7 @@ class ReplicaGroup:
                     world_size=comm.world_size,
                     store=address,
                 )
-            except (ConnectionError, OSError, RuntimeError) as err:
+            except Exception as err:  # every rank of the replica learns it: none waits for the others
                 failure = f"rank {comm.rank}: {type(err).__name__}: {err}"
         failures = [f for f in comm.all_gather_object(failure) if f is not None]
         if failures:
@@ -512,11 +516,7 @@ class ReplicaGroup:
         rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
         sizes = sorted({int(r[0]) for r in rows})
         if len(sizes) > 1:
-            raise ReplicaMismatch(
-                f"replica {self.config.replica_id!r} has {self.relay.world_size} ranks and the quorum holds replicas of"
-                f" {sizes} ranks: every replica of a run must have the same number of ranks (rank i of each exchanges"
-                " the same part of the model)"
-            )
+            raise ReplicaMismatch(mismatch_message(self.config.replica_id, self.relay.world_size, sizes))
         rows = [r[1:] for r in rows]
         if all(r[1:] == rows[0][1:] for r in rows):
             return None
