@@ -86,9 +86,13 @@ def test_killed_replica_is_left_out_then_heals_and_rejoins():
         ({"sync_period": 8}, 2),
         # 4 bits: fp32 biases, then the all-to-all of packed stripes, then the all-gather: c dies after
         # sending its stripes, before the all-gather
-        ({"sync_period": 8, "pseudo_grad_bits": 4}, 3),
+        pytest.param({"sync_period": 8, "pseudo_grad_bits": 4}, 3, marks=pytest.mark.slow),
         # a streaming fragment in flight in the background thread (2 fragments, applied 1 step later)
-        ({"sync_period": 8, "pseudo_grad_bits": 4, "num_fragments": 2, "fragment_sync_delay": 1}, 3),
+        pytest.param(
+            {"sync_period": 8, "pseudo_grad_bits": 4, "num_fragments": 2, "fragment_sync_delay": 1},
+            3,
+            marks=pytest.mark.slow,  # (20 s each; the quick suite keeps fp32)
+        ),
     ],
     ids=["fp32", "4bit", "streaming"],
 )
@@ -120,6 +124,7 @@ def test_replica_killed_inside_an_exchange_never_leaves_a_partial_average(scheme
     assert a["global_step"] == b["global_step"] == 40
 
 
+@pytest.mark.slow  # 29 s; the Trainer's replicas die and heal in the quick suite
 def test_fabric_replicas_survive_a_death_and_a_restart():
     with FTRun(min_replicas=2) as run:
         for i, rid in enumerate("abc"):

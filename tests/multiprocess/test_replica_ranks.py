@@ -53,7 +53,7 @@ def wait_group_gone(pgid: int, timeout: float) -> float:
     ("shard", "victim"),
     # rank 1 dies: Lightning's launcher (rank 0's process) ends the replica; rank 0 dies: rank 1,
     # orphaned, learns it from the heartbeats (or its next collective) and leaves on its own
-    [(None, 1), ("fsdp", 0)],
+    [(None, 1), pytest.param("fsdp", 0, marks=pytest.mark.slow)],  # (31 s each: the quick suite's budget)
     ids=["replicated-rank1-dies", "sharded-rank0-dies"],
 )
 def test_a_dead_rank_takes_its_replica_out_and_the_restarted_replica_heals_rank_by_rank(shard, victim):
@@ -168,6 +168,7 @@ def test_max_epochs_ends_every_replica_at_the_same_step_after_a_kill_and_a_heal(
     assert_agreement(results)
 
 
+@pytest.mark.slow  # 29 s; max_epochs keeps the agreed end in the quick suite
 def test_early_stopping_on_one_replica_ends_every_replica_at_the_next_sync():
     # Only a has EarlyStopping (its first validation, after 150 batches of its epoch, is below the
     # threshold); b dies at step 6 and is back (healed) well before. The stop waits for the next sync
@@ -220,6 +221,7 @@ def test_chaos_three_two_rank_replicas_kills_of_one_rank_and_of_whole_replicas()
     assert loss < 1.25 * calm_loss, (loss, calm_loss)
 
 
+@pytest.mark.slow  # 28 s
 def test_buffers_are_averaged_across_replicas_and_travel_with_a_heal():
     # BatchNorm's running statistics see no gradient: each replica's own would drift apart. They are
     # averaged across replicas at every period and a healed replica takes them from its source.
