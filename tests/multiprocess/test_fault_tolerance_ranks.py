@@ -53,6 +53,7 @@ def spec(seed: int, **kwargs) -> dict:
     return base
 
 
+@pytest.mark.slow  # 30 s; two-rank replicas die, leave, heal and rejoin in the quick suite
 def test_killed_replica_is_left_out_then_heals_and_rejoins():
     with FTRun(min_replicas=2) as run:
         for i, rid in enumerate("abc"):
