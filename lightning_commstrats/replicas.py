@@ -55,6 +55,7 @@ from lightning_commstrats.fault_tolerance import (
     mismatch_message,
     run_attempts,
 )
+from lightning_commstrats.sharding.memory import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -168,15 +169,12 @@ class ReplicaGroup:
         self.relay: Communicator | None = None  # the replica's ranks, for the exchange's thread
         self.holders: Communicator | None = None  # the replica's ranks that hold the same tensors as this one
         self.shared: dict[str, Any] | None = None  # what a healing peer of this rank receives
+        self._shared_ready: torch.cuda.Event | None = None  # on CUDA: when the main stream has made it
         self._restored: dict[str, int] | None = None  # the Manager's counters from a checkpoint
         self._watch: PeerWatch | None = None
         self._failure: str | None = None  # why this replica left the run (a rank of it stopped)
 
     # ------------------------------------------------------------------ join and leave
-
-    @property
-    def joined(self) -> bool:
-        return self.sync is not None
 
     def join(
         self,
@@ -288,15 +286,15 @@ class ReplicaGroup:
         """What a healing peer receives (torchft calls this in its quorum thread): the snapshot
         :meth:`set_offer` was given when this sync began. On CUDA it waits for the stream that made it."""
         assert self.shared is not None, "a peer asked to heal from a replica that has not synced"
-        event = self.shared.get("_ready")
+        event = self._shared_ready
         if event is not None:  # torchft reads the tensors on its own stream: after the main stream made them
             torch.cuda.current_stream().wait_event(event)
-        return {k: v for k, v in self.shared.items() if k != "_ready"}
+        return self.shared
 
     def set_offer(self, state: dict[str, Any]) -> None:
         """The state a healing peer receives from now on (a snapshot nobody changes until the sync ends)."""
-        if any(isinstance(t, Tensor) and t.is_cuda for t in _tensors(state)):
-            state = {**state, "_ready": torch.cuda.current_stream().record_event()}
+        cuda = any(t.is_cuda for t in tensors_in(state))
+        self._shared_ready = torch.cuda.current_stream().record_event() if cuda else None
         self.shared = state
 
     # ------------------------------------------------------------------ syncs
@@ -409,7 +407,7 @@ class ReplicaGroup:
                 received = self.reconcile(quorum, received, host) or received
                 if received is not None:
                     # until it is adopted, the run's state is what this rank would heal a peer with
-                    self.shared = received
+                    self.set_offer(received)
                     pending.contributes = False
                     if received["sync"] is not None and received["sync"][:2] != (pending.fragment, pending.started_at):
                         # behind by a whole sync (its own failed): join the one the run is in
@@ -534,8 +532,7 @@ class ReplicaGroup:
         )
         state = self.shared if received is None else received
         # on the host: a pickled CUDA tensor would unpickle on its sender's device index
-        plain = {k: v for k, v in (state or {}).items() if k != "_ready"}
-        offer = apply_to_collection(plain, Tensor, lambda t: t.detach().cpu()) if me == canonical else None
+        offer = apply_to_collection(state, Tensor, lambda t: t.detach().cpu()) if me == canonical else None
         taken = quorum.comm.broadcast_object(offer, canonical, tag="weights")
         return None if rows[me][1:] == rows[canonical][1:] else taken
 
@@ -548,16 +545,6 @@ def _offsets(views: dict[str, Tensor], bounds: list[tuple[int, int]]) -> list[tu
         offset += v.numel()
     starts.append(offset)
     return [(starts[b], starts[e]) for b, e in bounds]
-
-
-def _tensors(state: Any) -> list[Tensor]:
-    if isinstance(state, Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors(v)]
-    return []
 
 
 def flat_buffers(buffers: list[Tensor]) -> Tensor | None:

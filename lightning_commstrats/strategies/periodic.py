@@ -523,15 +523,14 @@ class PeriodicSyncStrategy(CommStrategy):
             raise RuntimeError(f"fragment {fragment} is due while fragment {self._inflight.fragment} is in flight")
         local = self.flat_weights(fragment)
         grad = self.outer.start_point(fragment) - local
-        named = self._named_views(fragment, grad)
+        named = self.named_views(fragment, grad)
         self._block_start[fragment] = self._progress()
         delay = self.fragment_sync_delay if background else 0
         pending = _Exchange(fragment, self.optimizer_steps, self.optimizer_steps + delay, grad)
         if self.keep_local_progress and delay:
             pending.launched = local
         if self.replicas is not None:
-            if fragment == self.num_fragments - 1:  # once per period: the buffers travel with the last fragment
-                pending.buffers = self._buffer_snapshot()
+            pending.buffers = self._buffers_for(fragment, agree=True)  # once per period, with the last fragment
             pending.stop, pending.planned_end = self._stop_requested, self._planned_end()
             self.replicas.set_offer(self.replica_state(pending))  # read by a healing peer in this sync's quorum
         if background and (self.replica_comm.world_size > 1 or self.fault_tolerance is not None):
@@ -624,7 +623,8 @@ class PeriodicSyncStrategy(CommStrategy):
         # resumed from a checkpoint saved after this must not find every fragment due at once)
         self._stagger()
 
-    def _named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
+    def named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
+        """``flat`` (a fragment's vector) as one view per parameter, of its local shard's shape."""
         views, offset = {}, 0
         for p in self.fragment_params(fragment):
             shard = local(p)
@@ -756,7 +756,7 @@ class PeriodicSyncStrategy(CommStrategy):
         step_schedulers_once(self.trainer)
         fragment, started_at, apply_at = state["sync"]
         pending = _Exchange(fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False)
-        pending.buffers = self._sent_buffers(fragment)
+        pending.buffers = self._buffers_for(fragment, agree=False)
         pending.planned_end = self._planned_end()
         self._inflight = pending
         return pending
@@ -768,7 +768,7 @@ class PeriodicSyncStrategy(CommStrategy):
         pending.fragment, pending.started_at, pending.apply_at = fragment, started_at, 0
         pending.grad = torch.zeros_like(self.flat_weights(fragment))
         pending.launched = None  # the weights this replica launched were another fragment's
-        pending.buffers = self._sent_buffers(fragment)
+        pending.buffers = self._buffers_for(fragment, agree=False)
         return pending.grad
 
     def bind_exchange(self, comm: Communicator) -> TensorExchange:
@@ -778,9 +778,6 @@ class PeriodicSyncStrategy(CommStrategy):
         else:
             self._exchange.rebind(comm)
         return self._exchange
-
-    def named_views(self, fragment: int, flat: Tensor) -> dict[str, Tensor]:
-        return self._named_views(fragment, flat)
 
     def global_tensors(self, state: dict[str, Any] | None) -> list[Tensor]:
         if state is not None:
@@ -804,22 +801,16 @@ class PeriodicSyncStrategy(CommStrategy):
             ends.append(float(self.optimizer_steps + per_epoch - done + epochs_after * per_epoch))
         return min(ends, default=math.inf)
 
-    def _sent_buffers(self, fragment: int) -> Tensor | None:
-        """The buffers a replica that does not contribute sends with ``fragment`` (zeros, not counted):
-        a vector of the right size with the period's last fragment, as the others send; no collective
-        (it may run in the exchange's thread)."""
+    def _buffers_for(self, fragment: int, *, agree: bool) -> Tensor | None:
+        """The module's floating-point buffers as one vector, sent across replicas with the period's last
+        fragment (``None`` with the others). ``agree``: made equal over this replica's ranks first, a
+        collective (every rank launches the same sync at the same step); without it, for a replica
+        that does not contribute (it sends zeros) and may be in the exchange's thread."""
         module = self.lightning_module
         if module is None or fragment != self.num_fragments - 1:
             return None
-        return flat_buffers(list(module.buffers()))
-
-    def _buffer_snapshot(self) -> Tensor | None:
-        """The module's floating-point buffers as one vector, made equal over this replica's ranks
-        first (collective over the replica: every rank launches the same sync at the same step)."""
-        module = self.lightning_module
-        if module is None:
-            return None
-        self.sync_buffers(tag="weights")
+        if agree:
+            self.sync_buffers(tag="weights")
         return flat_buffers(list(module.buffers()))
 
     @property
@@ -857,7 +848,7 @@ class PeriodicSyncStrategy(CommStrategy):
         if self.outer is not None and self.sharding is not None:  # the global model's shards, as DTensors
             named: dict[str, Tensor] = {}
             for f in range(self.num_fragments):
-                named.update(self._named_views(f, self.outer.global_weights(f)))
+                named.update(self.named_views(f, self.outer.global_weights(f)))
             return global_state_dict(state, self.lightning_module, named)
         flat = self.global_weights()
         if flat is None:

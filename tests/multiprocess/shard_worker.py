@@ -139,7 +139,7 @@ class Record(L.Callback):
             self.seen = len(history)
             named: dict[str, torch.Tensor] = {}
             for f in range(strategy.num_fragments):
-                named.update(strategy._named_views(f, strategy.outer.global_weights(f)))
+                named.update(strategy.named_views(f, strategy.outer.global_weights(f)))
             self.syncs.append((strategy.optimizer_steps, {k: v.detach().cpu().clone() for k, v in named.items()}))
         if self.trace:
             self.steps.append({n: local(p).detach().cpu().clone() for n, p in pl_module.named_parameters()})
