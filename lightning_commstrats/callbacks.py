@@ -27,9 +27,12 @@ class CommStatsMonitor(Callback):
     Logged every batch (subject to the Trainer's ``log_every_n_steps``), from rank 0's figures:
 
     - ``comm/bytes``: bytes sent in the batch; ``comm/MB`` also goes to the progress bar;
-    - ``comm/seconds`` and ``comm/compute_seconds``: time inside collectives and the rest (on
-      CUDA a batch is charged the collectives that had completed on the device by its end, so that
-      logging never makes the host wait for the device; the summaries are exact);
+    - ``comm/seconds`` and ``comm/compute_seconds``: the seconds the training loop waited for
+      communication in the batch, and the rest of its wall time (on CUDA a batch is charged the
+      collectives that had completed on the device by its end, so that logging never makes the
+      host wait for the device; the summaries are exact);
+    - ``comm/background_seconds``: seconds collectives ran beside the loop, on other threads (a
+      background exchange on the wire while the batch computed): not waiting, not in the above;
     - ``comm/calls``: collectives issued;
     - ``comm/<tag>_bytes``: the bytes split by kind of traffic (``grad``, ``weights``...).
 
@@ -118,6 +121,7 @@ class CommStatsMonitor(Callback):
             "comm/bytes": float(d.bytes_sent),
             "comm/seconds": d.comm_seconds,
             "comm/compute_seconds": d.compute_seconds,
+            "comm/background_seconds": d.background_seconds,
             "comm/calls": float(d.calls),
         }
         metrics.update({f"comm/{tag}_bytes": float(c.bytes_sent) for tag, c in d.by_tag.items()})
@@ -177,13 +181,18 @@ class CommStatsMonitor(Callback):
 
 
 def format_summary(s: CommSnapshot) -> str:
-    """One line: steps, MB sent, MB per step, seconds in communication and in compute."""
+    """One line: steps, MB sent (per step in the steady state, the one-time setup apart), the
+    seconds the loop waited for communication and its share of wall time, compute, and the seconds
+    background exchanges were on the wire."""
     share = s.comm_seconds / s.wall_seconds if s.wall_seconds > 0 else 0.0
     tags = ", ".join(f"{t} {c.bytes_sent / MB:.3f} MB" for t, c in sorted(s.by_tag.items()))
+    setup = f" + {s.setup_bytes / MB:.3f} MB once at setup" if s.setup_bytes else ""
+    background = f"; background exchanges {s.background_seconds:.2f}s on the wire" if s.background_seconds else ""
     return (
-        f"[comm] steps {s.steps}: sent {s.bytes_sent / MB:.3f} MB ({s.bytes_per_step / MB:.4f} MB/step)"
-        f" in {s.calls} calls; comm {s.comm_seconds:.2f}s, compute {s.compute_seconds:.2f}s"
-        f" ({100 * share:.0f}% of wall time in communication)" + (f"; by kind: {tags}" if tags else "")
+        f"[comm] steps {s.steps}: sent {s.bytes_sent / MB:.3f} MB ({s.steady_bytes_per_step / MB:.4f} MB/step{setup})"
+        f" in {s.calls} calls; waited {s.comm_seconds:.2f}s for communication"
+        f" ({100 * share:.0f}% of wall time), compute {s.compute_seconds:.2f}s{background}"
+        + (f"; by kind: {tags}" if tags else "")
     )
 
 

@@ -43,7 +43,7 @@ def test_summary_and_saved_figures_hold_what_the_strategy_sends_when_fit_ends(tm
         trainer.fit(BoringModel())
     stats = trainer.strategy.comm_stats
     assert (stats.bytes_sent, stats.calls, stats.steps) == (1234, 1, 3)
-    assert "[comm] steps 3: sent 0.001 MB (0.0004 MB/step) in 1 calls" in caplog.text
+    assert "[comm] steps 3: sent 0.001 MB (0.0004 MB/step) in 1 calls; waited 0.00s for communication" in caplog.text
     assert "by kind: weights 0.001 MB" in caplog.text
     saved = json.loads((tmp_path / "comm_stats.rank0.json").read_text())
     assert (saved["bytes_sent"], saved["calls"], saved["weights/bytes_sent"]) == (1234, 1, 1234)

@@ -286,8 +286,10 @@ class FlagChannel(ABC):
     """An OR of one boolean over every rank, one round at a time, that never blocks its caller
     for long: :meth:`start` sends this rank's flag for the next round (one 4-byte all-reduce,
     charged under ``"control"``) and returns at once; :meth:`result` waits for the round and
-    returns True when any rank's flag was set. Every rank starts and reads the same rounds in the
-    same order, so every rank reads the same value for each round.
+    returns True when any rank's flag was set. Only the wait inside :meth:`result` is charged as
+    seconds (the round overlaps whatever the caller did in between, which is not communication).
+    Every rank starts and reads the same rounds in the same order, so every rank reads the same
+    value for each round.
 
     It runs on a channel of its own (a gloo group on the CPU for torch.distributed, whatever the
     data's backend; a duplicate communicator for MPI): its rounds never interleave with the
@@ -298,12 +300,10 @@ class FlagChannel(ABC):
         self.stats = stats
         self._diagnose = diagnose
         self._pending = False
-        self._started = 0.0
 
     def start(self, flag: bool) -> None:
         if self._pending:
             raise RuntimeError("a flag round is already in flight; read its result first")
-        self._started = time.perf_counter()
         self._start(int(bool(flag)))
         self._pending = True
 
@@ -312,12 +312,13 @@ class FlagChannel(ABC):
         if not self._pending:
             return False
         self._pending = False
+        waiting = time.perf_counter()
         try:
             value = self._wait()
         except Exception as err:  # a peer stopped: say which where the backend can tell
             why = self._diagnose() if self._diagnose is not None else ""
             raise CollectiveError(f"a flag round (control) failed{': ' + why if why else ''}. {err}") from err
-        self.stats.record("control", 4, time.perf_counter() - self._started)
+        self.stats.record("control", 4, time.perf_counter() - waiting)
         return bool(value)
 
     @property

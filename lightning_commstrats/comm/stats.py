@@ -1,5 +1,11 @@
 """Communication statistics: what one rank sent, how often, and how long it waited.
 
+Two kinds of seconds are kept apart. ``comm_seconds`` are the seconds the training loop waited for
+communication: collectives issued from the loop's thread, and the loop's waits for work in the
+background (the result of a flag round, a background exchange joined back). ``background_seconds``
+are the seconds collectives ran on other threads (a streaming exchange on the wire while the loop
+trains): they overlap compute and are not waiting. Compute is wall time minus ``comm_seconds``.
+
 A :class:`CommStats` is owned by a :class:`~lightning_commstrats.comm.Communicator`; every
 collective adds to it. Strategies mark optimizer steps with :meth:`CommStats.mark_step`, which
 closes a per-step delta (:attr:`CommStats.last_step`), in the spirit of CNTK's ``syncPerfStats``.
@@ -21,6 +27,9 @@ import torch
 
 # pending device timings beyond which record() books those already complete (without waiting)
 _SETTLE_EVERY = 256
+
+#: traffic that happens once per fit, not per step (``CommSnapshot.setup_bytes``)
+ONE_TIME_TAGS = frozenset({"setup", "bandwidth_probe"})
 
 
 class PendingSeconds(Protocol):
@@ -70,26 +79,36 @@ class CommCounters:
     Attributes:
         bytes_sent: bytes this rank put on the wire (see :mod:`lightning_commstrats.comm.wire`).
         calls: number of collectives.
-        comm_seconds: seconds spent inside collectives (waiting included): wall seconds on CPU,
-            device seconds between CUDA events on CUDA.
+        comm_seconds: seconds the training loop waited for communication (collectives issued from
+            its thread, the peers' lateness included, and its waits for background work): wall
+            seconds on CPU, device seconds between CUDA events on CUDA.
+        background_seconds: seconds collectives ran on other threads, overlapping the loop's
+            compute (a background exchange on the wire).
     """
 
     bytes_sent: int = 0
     calls: int = 0
     comm_seconds: float = 0.0
+    background_seconds: float = 0.0
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, background: bool = False, calls: int = 1) -> None:
         self.bytes_sent += nbytes
-        self.calls += 1
-        self.comm_seconds += seconds
+        self.calls += calls
+        if background:
+            self.background_seconds += seconds
+        else:
+            self.comm_seconds += seconds
 
     def __sub__(self, other: CommCounters) -> CommCounters:
         return CommCounters(
-            self.bytes_sent - other.bytes_sent, self.calls - other.calls, self.comm_seconds - other.comm_seconds
+            self.bytes_sent - other.bytes_sent,
+            self.calls - other.calls,
+            self.comm_seconds - other.comm_seconds,
+            self.background_seconds - other.background_seconds,
         )
 
     def copy(self) -> CommCounters:
-        return CommCounters(self.bytes_sent, self.calls, self.comm_seconds)
+        return CommCounters(self.bytes_sent, self.calls, self.comm_seconds, self.background_seconds)
 
 
 @dataclass
@@ -99,10 +118,11 @@ class CommSnapshot:
     Attributes:
         bytes_sent: bytes this rank sent.
         calls: collectives issued.
-        comm_seconds: seconds inside collectives (see :class:`CommCounters`).
+        comm_seconds: seconds the training loop waited for communication (see :class:`CommCounters`).
         wall_seconds: wall seconds of the interval (between step marks).
         steps: optimizer steps in the interval.
         by_tag: the same counters split by traffic kind (``"grad"``, ``"weights"``, ``"control"``...).
+        background_seconds: seconds collectives ran beside the loop, on other threads.
     """
 
     bytes_sent: int = 0
@@ -111,20 +131,36 @@ class CommSnapshot:
     wall_seconds: float = 0.0
     steps: int = 0
     by_tag: dict[str, CommCounters] = field(default_factory=dict)
+    background_seconds: float = 0.0
 
     @property
     def compute_seconds(self) -> float:
-        """Wall seconds not spent in collectives (forward, backward, optimizer, data loading)."""
+        """Wall seconds the loop did not wait for communication (forward, backward, optimizer, data
+        loading; background exchanges overlap these)."""
         return max(self.wall_seconds - self.comm_seconds, 0.0)
 
     @property
+    def setup_bytes(self) -> int:
+        """Bytes of the one-time traffic (tags in :data:`ONE_TIME_TAGS`: the initial broadcast of
+        the model, a bandwidth probe), which does not recur with the steps."""
+        return sum(c.bytes_sent for t, c in self.by_tag.items() if t in ONE_TIME_TAGS)
+
+    @property
+    def steady_bytes_per_step(self) -> float:
+        """Bytes per optimizer step without the one-time traffic: what every further step costs."""
+        return (self.bytes_sent - self.setup_bytes) / self.steps if self.steps else 0.0
+
+    @property
     def bytes_per_step(self) -> float:
+        """All bytes over the steps, the one-time traffic included (see :attr:`steady_bytes_per_step`)."""
         return self.bytes_sent / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Flat dictionary, e.g. for loggers or JSON; per-tag entries as ``"<tag>/bytes_sent"``."""
         out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "by_tag"}
         out["compute_seconds"] = self.compute_seconds
+        out["setup_bytes"] = self.setup_bytes
+        out["steady_bytes_per_step"] = self.steady_bytes_per_step
         for tag, counters in sorted(self.by_tag.items()):
             for f in fields(counters):
                 out[f"{tag}/{f.name}"] = getattr(counters, f.name)
@@ -134,9 +170,12 @@ class CommSnapshot:
 class CommStats:
     """Cumulative communication statistics of one rank, with per-step deltas.
 
-    Attributes read by users: ``bytes_sent``, ``calls``, ``comm_seconds``, ``steps``,
-    ``wall_seconds``, ``compute_seconds``, ``by_tag`` and ``last_step`` (a :class:`CommSnapshot` of
-    the most recent step).
+    Attributes read by users: ``bytes_sent``, ``calls``, ``comm_seconds`` (the loop's waiting),
+    ``background_seconds``, ``steps``, ``wall_seconds``, ``compute_seconds``, ``by_tag`` and
+    ``last_step`` (a :class:`CommSnapshot` of the most recent step).
+
+    The training loop's thread is the one that made the statistics, or the last to call
+    :meth:`start_clock`; a collective recorded from any other thread is background work.
 
     Collectives on CUDA charge their seconds late (:class:`PendingSeconds`): ``comm_seconds``,
     ``by_tag``, ``snapshot()`` and ``repr`` wait for the collectives issued so far and are exact;
@@ -150,26 +189,40 @@ class CommStats:
         self._settling = threading.Lock()  # one thread books pending seconds at a time
         self._total = CommCounters()
         self._by_tag: dict[str, CommCounters] = {}
-        self._pending: list[tuple[str, PendingSeconds]] = []
+        self._pending: list[tuple[str, PendingSeconds, bool]] = []
+        self._loop_thread = threading.get_ident()
         self.steps = 0
         self._clock_start = time.perf_counter()
         self._mark = self._now()
         self._step_start = self._mark  # the mark the last step started at
         self.last_step = CommSnapshot()
 
-    def record(self, tag: str, nbytes: int, seconds: float | PendingSeconds) -> None:
-        """Charge one collective of ``nbytes`` sent bytes and ``seconds`` of waiting to ``tag``
-        (a number, or a :class:`PendingSeconds` read when the statistics are)."""
+    def record(self, tag: str, nbytes: int, seconds: float | PendingSeconds, *, background: bool | None = None) -> None:
+        """Charge one collective of ``nbytes`` sent bytes and ``seconds`` (a number, or a
+        :class:`PendingSeconds` read when the statistics are) to ``tag``.
+
+        The seconds are the loop's waiting when the collective was issued from the training loop's
+        thread, background seconds otherwise; ``background`` overrides that."""
+        if background is None:
+            background = threading.get_ident() != self._loop_thread
         pending = not isinstance(seconds, (int, float))
         with self._lock:  # a background exchange records from its own thread
             now = 0.0 if pending else seconds
-            self._total.add(nbytes, now)
-            self._by_tag.setdefault(tag, CommCounters()).add(nbytes, now)
+            self._total.add(nbytes, now, background)
+            self._by_tag.setdefault(tag, CommCounters()).add(nbytes, now, background)
             if pending:
-                self._pending.append((tag, seconds))
+                self._pending.append((tag, seconds, background))
             crowded = len(self._pending) >= _SETTLE_EVERY
         if crowded:  # nobody has read the stats for a while: book what is done, keep the list short
             self._settle(wait=False)
+
+    def record_wait(self, tag: str, seconds: float) -> None:
+        """Charge ``seconds`` the training loop waited for communication in the background (a
+        background exchange joined back, a flag round read) to ``tag``: no bytes, no call (the
+        collectives themselves were recorded where they ran)."""
+        with self._lock:
+            self._total.add(0, seconds, calls=0)
+            self._by_tag.setdefault(tag, CommCounters()).add(0, seconds, calls=0)
 
     def _settle(self, wait: bool) -> None:
         """Book the pending seconds that are known (all of them with ``wait``, waiting for the device).
@@ -181,18 +234,18 @@ class CommStats:
         try:
             with self._lock:
                 pending, self._pending = self._pending, []
-            booked: list[tuple[str, float]] = []
-            kept: list[tuple[str, PendingSeconds]] = []
-            for tag, p in pending:  # read outside the lock: waiting for the device must not stop recording
+            booked: list[tuple[str, float, bool]] = []
+            kept: list[tuple[str, PendingSeconds, bool]] = []
+            for tag, p, background in pending:  # read outside the lock: waiting for the device must not stop recording
                 if wait or p.done():
-                    booked.append((tag, p.seconds()))
+                    booked.append((tag, p.seconds(), background))
                 else:
-                    kept.append((tag, p))
+                    kept.append((tag, p, background))
             with self._lock:
                 self._pending[:0] = kept
-                for tag, s in booked:
-                    self._total.comm_seconds += s
-                    self._by_tag[tag].comm_seconds += s
+                for tag, s, background in booked:
+                    self._total.add(0, s, background, calls=0)
+                    self._by_tag[tag].add(0, s, background, calls=0)
         finally:
             self._settling.release()
 
@@ -214,6 +267,11 @@ class CommStats:
         return time.perf_counter() - self._clock_start
 
     @property
+    def background_seconds(self) -> float:
+        self._settle(wait=True)
+        return self._total.background_seconds
+
+    @property
     def compute_seconds(self) -> float:
         return max(self.wall_seconds - self.comm_seconds, 0.0)
 
@@ -224,7 +282,9 @@ class CommStats:
             return {tag: c.copy() for tag, c in self._by_tag.items()}
 
     def start_clock(self) -> None:
-        """Restart the wall clock (at the start of training) without touching the counters."""
+        """Restart the wall clock (at the start of training) without touching the counters; the
+        calling thread is the training loop's from now on."""
+        self._loop_thread = threading.get_ident()
         self._clock_start = time.perf_counter()
         self._mark = self._step_start = self._now()
 
@@ -266,6 +326,7 @@ class CommStats:
             wall_seconds=self.wall_seconds,
             steps=self.steps,
             by_tag=tags,
+            background_seconds=total.background_seconds,
         )
 
     def __repr__(self) -> str:
@@ -285,4 +346,5 @@ def delta(later: CommSnapshot, earlier: CommSnapshot) -> CommSnapshot:
         wall_seconds=later.wall_seconds - earlier.wall_seconds,
         steps=later.steps - earlier.steps,
         by_tag={t: later.by_tag.get(t, CommCounters()) - earlier.by_tag.get(t, CommCounters()) for t in tags},
+        background_seconds=later.background_seconds - earlier.background_seconds,
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -909,7 +910,11 @@ class PeriodicSyncStrategy(CommStrategy):
         background thread is still writing the quantization residuals), and by a benchmark that
         must not let an exchange overlap anything but training."""
         if self._inflight is not None and self._inflight.future is not None:
-            self._inflight.nonfinite = self._inflight.future.result()
+            waiting = time.perf_counter()
+            try:
+                self._inflight.nonfinite = self._inflight.future.result()
+            finally:  # the loop's wait for the background thread (its collectives count as background)
+                self.comm_stats.record_wait("weights", time.perf_counter() - waiting)
             self._inflight.future = None
             if self._side_stream is not None:  # everything the thread queued is before this point
                 torch.cuda.current_stream(self._side_stream.device).wait_stream(self._side_stream)

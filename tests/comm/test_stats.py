@@ -3,6 +3,7 @@ import time
 import pytest
 
 from lightning_commstrats.comm import CommStats, LocalCommunicator, delta
+from lightning_commstrats.comm.base import FlagChannel
 
 
 def test_record_accumulates_totals_and_tags():
@@ -142,5 +143,78 @@ def test_background_thread_bookings_reach_the_shared_totals():
         s.record("grad", 1, 0.001)
         s.mark_step()
     thread.join()
-    assert s.by_tag["weights"].calls == 50 and s.by_tag["weights"].comm_seconds == pytest.approx(0.5)
-    assert s.comm_seconds == pytest.approx(0.55) and s.bytes_sent == 150
+    # the other thread's collectives ran beside the loop: background seconds, not the loop's waiting
+    weights = s.by_tag["weights"]
+    assert weights.calls == 50 and weights.background_seconds == pytest.approx(0.5) and weights.comm_seconds == 0
+    assert s.comm_seconds == pytest.approx(0.05) and s.background_seconds == pytest.approx(0.5)
+    assert s.bytes_sent == 150
+
+
+def test_the_loop_thread_follows_start_clock_and_waits_for_the_background_are_its_own():
+    import threading
+
+    s = CommStats()
+    done = threading.Event()
+
+    def loop() -> None:  # a training loop on another thread than the one that made the stats
+        s.start_clock()
+        s.record("grad", 4, 0.25)
+        s.record_wait("weights", 0.5)  # joined a background exchange: waiting, no call, no bytes
+        done.set()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join()
+    assert done.is_set()
+    s.record("weights", 8, 2.0)  # this thread is not the loop's any more
+    s.record("control", 0, 0.125, background=False)  # said explicitly
+    snap = s.snapshot()
+    assert (snap.comm_seconds, snap.background_seconds, snap.calls, snap.bytes_sent) == (0.875, 2.0, 3, 12)
+    w = snap.by_tag["weights"]
+    assert (w.comm_seconds, w.background_seconds, w.calls) == (0.5, 2.0, 1)
+    assert snap.compute_seconds == pytest.approx(max(snap.wall_seconds - 0.875, 0.0))
+
+
+def test_setup_traffic_is_apart_from_the_bytes_per_step():
+    s = CommStats()
+    s.record("setup", 1000, 0.0)
+    s.record("bandwidth_probe", 500, 0.0)
+    for _ in range(4):
+        s.record("grad", 25, 0.0)
+        s.mark_step()
+    snap = s.snapshot()
+    assert (snap.setup_bytes, snap.steady_bytes_per_step, snap.bytes_per_step) == (1500, 25.0, 400.0)
+    flat = snap.as_dict()
+    assert (flat["setup_bytes"], flat["steady_bytes_per_step"]) == (1500, 25.0)
+
+
+class SlowFlags(FlagChannel):
+    """A flag channel whose round is in flight ``wire`` seconds after it starts."""
+
+    def __init__(self, stats: CommStats, wire: float) -> None:
+        super().__init__(stats)
+        self.wire = wire
+        self.flag = 0
+        self.started = 0.0
+
+    def _start(self, flag: int) -> None:
+        self.flag, self.started = flag, time.perf_counter()
+
+    def _wait(self) -> int:
+        time.sleep(max(self.started + self.wire - time.perf_counter(), 0.0))
+        return self.flag
+
+    def _close(self) -> None:
+        pass
+
+
+def test_a_flag_round_charges_only_the_wait_in_result_not_the_work_it_overlapped():
+    s = CommStats()
+    flags = SlowFlags(s, wire=0.2)
+    flags.start(True)
+    time.sleep(0.3)  # a batch's compute while the round travels: done before the result is read
+    assert flags.result() is True
+    assert s.by_tag["control"].calls == 1 and s.comm_seconds < 0.05
+    flags.start(False)
+    assert flags.result() is False  # read at once: the loop waits for the round
+    assert 0.15 < s.comm_seconds < 0.3 and s.by_tag["control"].bytes_sent == 8

@@ -18,8 +18,10 @@ strategy ``word_counts`` of ``"data"`` is replaced by its token counts), ``preci
 that rank at that step), ``perturb`` (``[step, rank]``: 1e-3 added to one parameter of that rank
 after that step), ``marker_at`` (touch ``OUT_DIR/running<rank>`` after that step),
 ``state_trace`` (keep the strategy's state after every step, and its rank state once fit ends),
-``slow_rank`` (``[rank, seconds]``: that rank sleeps after every batch; every rank keeps
-``train_seconds``, its training loop's time) and
+``slow_rank`` (``[rank, seconds]``: that rank sleeps after every batch, every rank with rank -1;
+every rank keeps ``train_seconds``, its training loop's time), ``slow_exchange`` (``[rank,
+seconds]``: that rank sleeps before each pseudo-gradient average of a periodic scheme, in the
+thread the exchange runs in, so the other ranks' collective waits for it) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
 average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
 ``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
@@ -52,6 +54,7 @@ from torch.utils.data import DataLoader
 
 import lightning_commstrats
 from lightning_commstrats import CommStatsMonitor
+from lightning_commstrats.callbacks import format_summary
 from lightning_commstrats.comm import destroy_process_group
 from lightning_commstrats.data import StreamWindows
 from lightning_commstrats.models import LanguageModel
@@ -348,7 +351,7 @@ class Slow(L.Callback):
         self.first = flat(pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_rank == self.rank:
+        if self.rank in (trainer.global_rank, -1):
             time.sleep(self.seconds)
         self.end = time.perf_counter()
 
@@ -408,6 +411,18 @@ def record_pseudo_gradients(strategy: Any, out: list[dict[str, Any]]) -> None:
         out.append({"step": strategy.optimizer_steps, "mine": mine, "avg": clone(named)})
 
     strategy.average_pseudo_gradient = recorded
+
+
+def slow_exchange(strategy: Any, rank: int, seconds: float) -> None:
+    """Wrap the strategy's pseudo-gradient averaging: rank ``rank`` sleeps ``seconds`` before each."""
+    average = strategy.average_pseudo_gradient
+
+    def slowed(named: dict[str, torch.Tensor]) -> list[str]:
+        if strategy.global_rank == rank:
+            time.sleep(seconds)
+        return average(named)
+
+    strategy.average_pseudo_gradient = slowed
 
 
 def record_pushes(strategy: Any, out: list[dict[str, Any]]) -> list[Any]:
@@ -502,6 +517,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     exchanges: list[dict[str, Any]] = []
     if sc.get("record_exchange"):
         record_pseudo_gradients(strategy, exchanges)
+    if sc.get("slow_exchange"):
+        slow_exchange(strategy, *sc["slow_exchange"])
     pushes: list[dict[str, Any]] = []
     replies = record_pushes(strategy, pushes) if sc.get("record_pushes") else []
     trainer = L.Trainer(
@@ -569,6 +586,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
     if ours:
         stats = trainer.strategy.comm_stats
         result["stats"] = stats.snapshot().as_dict()
+        result["summary"] = format_summary(stats.snapshot())
         result["last_step"] = stats.last_step.as_dict()
         result["comm"] = repr(trainer.strategy.comm)
         exchange = getattr(trainer.strategy, "_exchange", None)
