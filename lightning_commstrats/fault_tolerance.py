@@ -290,6 +290,10 @@ class ReplicaSync:
         self.stats = stats
         self._received: dict[str, Any] | None = None
         self.closed = False
+        # called between two attempts while this replica waits for a quorum: raises to stop waiting
+        # (the strategy's: a SIGTERM noted meanwhile stops the replica within one renewal)
+        self.on_wait: Callable[[], None] | None = None
+        self._told_waiting = False
         self.run_store = RunStore.connect(config)
         self.check_ended()
         if self.run_store is not None:  # the same size as the run's other replicas, before any quorum
@@ -359,10 +363,14 @@ class ReplicaSync:
         # a heal received by an attempt that is then retried (too few replicas) still counts: torchft
         # has moved this replica's step on and will not send it again
         self._received = None
+        waited = False
         while True:
             if self.closed:
                 raise RuntimeError(f"replica {config.replica_id!r} has left the run (its Manager is shut down)")
             self.check_ended()  # every renewal: a replica that came back after the end learns it in seconds
+            if waited:
+                self._waiting(deadline)
+            waited = True
             began = time.monotonic()
             renew = max(min(self.renew_interval, deadline - began), 0.1)
             try:
@@ -394,6 +402,24 @@ class ReplicaSync:
         assert rank is not None
         comm = ReplicaCommunicator(self.pg, rank, n, self.stats, torch.device("cpu") if self.host else self.device)
         return Quorum(comm=comm, step=self.step, healed=self._received)
+
+    def _waiting(self, deadline: float) -> None:
+        """Between two attempts at a quorum: say once why this replica waits (torchft logs a failed
+        attempt at every renewal), and let :attr:`on_wait` stop the wait (a SIGTERM meanwhile)."""
+        if not self._told_waiting:
+            self._told_waiting = True
+            log.warning(
+                "replica %r is waiting for a quorum of fault_tolerance.min_replicas=%d replica(s) at %s, for at most"
+                " %.0f s more; torchft logs 'lighthouse quorum failed' at every renewal (every %.1f s) while it"
+                " waits, which is expected",
+                self.config.replica_id,
+                self.config.min_replicas,
+                self.config.lighthouse,
+                max(deadline - time.monotonic(), 0.0),
+                self.renew_interval,
+            )
+        if self.on_wait is not None:
+            self.on_wait()
 
     def commit(self, ok: bool, error: BaseException | None = None) -> bool:
         """Whether the sync counts: ``False`` when this replica's exchange failed (``ok`` false), the

@@ -673,6 +673,8 @@ class PeriodicSyncStrategy(CommStrategy):
         elif host and holders.world_size > 1:
             holders = relay
         self.replicas.join(self.comm, relay, holders, self.root_device, self.comm.stats, host=host)
+        if self.replicas.sync is not None:  # a SIGTERM while it waits for a quorum stops it there
+            self.replicas.sync.on_wait = self.stop_agreement.stop_waiting
 
     @property
     @override

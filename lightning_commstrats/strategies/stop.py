@@ -220,6 +220,18 @@ class StopAgreement:
             self._trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
 
+    def stop_waiting(self) -> None:
+        """For a wait outside the batches that may last long (a replica waiting for its quorum):
+        raise ``SIGTERMException`` now when this rank got the signal. The rank stops alone, at once;
+        the ranks it would have met learn it as they learn of any rank that stops (a replica's other
+        ranks through its heartbeats, the other replicas through the Lighthouse)."""
+        if self.requested and self._trainer is not None and SIGTERMException is not None:
+            log.warning(
+                "rank %s: stopping on the signal while waiting for a quorum", getattr(self._trainer, "global_rank", "?")
+            )
+            self._trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
+
     def _agree_on_requeue(self) -> bool:
         """Once the ranks agreed to stop: whether any of them noted the requeue signal. One more
         round on the channel (it carries one boolean a round), at this batch only, on every rank

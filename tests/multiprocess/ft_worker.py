@@ -234,11 +234,18 @@ def main() -> None:
             out.joinpath(f"{rid}.killed").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGTERM if kill.get("signal") == "TERM" else signal.SIGKILL)
 
+    class Progress(L.Callback):
+        """``progress``: rank 0 writes its global step to ``<out>/<rid>.step`` after every batch."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if spec.get("progress") and trainer.global_rank == 0:
+                out.joinpath(f"{rid}.step").write_text(str(trainer.global_step))
+
     data = task()
     if spec.get("front") == "fabric":
         global_step, lr = run_fabric(spec, strategy, model, data, kill)
     else:
-        callbacks: list = [Killer()]
+        callbacks: list = [Killer(), Progress()]
         if spec.get("early_stop_below") is not None:  # stops at the first validation whose loss is below it
             callbacks.append(
                 EarlyStopping(monitor="val_loss", stopping_threshold=spec["early_stop_below"], patience=1000)

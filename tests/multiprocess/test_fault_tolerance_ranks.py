@@ -11,6 +11,7 @@ at the end every replica that finished holds the same global model and stopped a
 from __future__ import annotations
 
 import random
+import signal
 import re
 import sys
 import time
@@ -292,3 +293,40 @@ def test_the_recipe_runs_as_replicas_and_they_report_the_same_model():
         ]
         assert all(reports), run.tails()
     assert reports[0].group(1) == reports[1].group(1)  # the same global model on both replicas
+
+
+def _wait_for(predicate, timeout: float, what: str, run: FTRun) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not within {timeout:.0f} s:\n{run.tails()}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow  # about 45 s: the others' period must outlast the wait
+def test_a_replica_waiting_for_its_quorum_stops_within_seconds_of_a_sigterm_and_the_others_go_on():
+    # a and b sync once, at step 64 (32 s of steps): c, started after their first quorum, waits for
+    # the next one; a SIGTERM then stops it within one renewal of its request, a and b finish
+    slow = {"min_replicas": 2, "max_steps": 64, "step_sleep": 0.5, "scheme_kwargs": {"sync_period": 64}}
+    with FTRun(min_replicas=1) as run:
+        run.start("a", spec(0, progress=True, **slow))
+        run.start("b", spec(1, **slow))
+        step = run.out / "a.step"
+        _wait_for(lambda: step.exists() and int(step.read_text() or 0) >= 1, 120, "a's first step", run)
+        run.start("c", spec(2, **slow))
+        log = run.out / "c.1.log"
+        _wait_for(lambda: "is waiting for a quorum" in log.read_text(errors="replace"), 60, "c waiting", run)
+        assert int(step.read_text() or 0) < 60  # a and b are still far from their sync
+        c = run.replicas["c"]
+        signalled = time.monotonic()
+        c.send_signal(signal.SIGTERM)
+        code = run.wait_dead("c", timeout=30)
+        stopped_after = time.monotonic() - signalled
+        print(f"c stopped {stopped_after:.1f} s after the SIGTERM (exit {code}); a at step {step.read_text()}")
+        assert stopped_after < 10, run.tails()
+        assert "stopping on the signal while waiting for a quorum" in log.read_text(errors="replace")
+        for rid in "ab":
+            assert run.wait_dead(rid, timeout=180) == 0, run.tails()
+        results = {rid: torch.load(run.out / f"{rid}.pt", weights_only=False) for rid in "ab"}
+    assert results["a"]["global_step"] == results["b"]["global_step"] == 64
+    assert [s["quorum"] for s in results["a"]["syncs"]] == [2]  # a and b, without c
