@@ -11,8 +11,8 @@ at the end every replica that finished holds the same global model and stopped a
 from __future__ import annotations
 
 import random
-import signal
 import re
+import signal
 import sys
 import time
 from pathlib import Path
