@@ -127,8 +127,8 @@ class EpochClock(L.Callback):
     The window runs from the end of optimizer step ``warmup_steps`` to the end of the last step
     (``trainer.max_steps``): the time of ``max_steps - warmup_steps`` steps of the training loop
     (forward, backward, exchange, optimizer, the next batch's loading), nothing before. At both ends
-    it reads the strategy's ``comm_stats`` (bytes this rank sent, seconds inside collectives) and
-    the kernel's ``tx_bytes`` of ``iface`` (the host's interface inside a namespace). Under
+    it reads the strategy's ``comm_stats`` (bytes this rank sent, seconds the training loop waited
+    for communication) and the kernel's ``tx_bytes`` of ``iface`` (the host's interface inside a namespace). Under
     ``sampled_vocab`` it also records the rows exchanged per step and the distinct word ids of
     this rank's minibatch (what the cost model's ``sampled_rows`` takes).
 
