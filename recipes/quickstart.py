@@ -76,7 +76,7 @@ def main() -> None:
         f"rank {trainer.global_rank}/{trainer.world_size} ({lightning_commstrats.__name__}, {args.strategy}):"
         f" {stats.steps} steps, {stats.bytes_sent / 1e6:.3f} MB sent in {stats.calls} calls;"
         f" gradients {grad_per_step:.0f} B/step (ring formula for {numel} fp32 values: {formula} B);"
-        f" {stats.comm_seconds:.2f}s communicating, {stats.compute_seconds:.2f}s computing",
+        f" waited {stats.comm_seconds:.2f}s for communication, {stats.compute_seconds:.2f}s computing",
         flush=True,
     )
 
