@@ -12,7 +12,7 @@ and with Fabric's ``STRATEGY_REGISTRY`` (``L.Fabric(strategy="bmuf")``, see
 ``LayeredMixedPrecision`` (``plugins=[...]``).
 """
 
-from lightning_commstrats._registry import register_strategies
+from lightning_commstrats._registry import register_strategies, suggest_names_in_trainer
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
 from lightning_commstrats.fabric import FabricStrategy, register_fabric_strategies
@@ -27,6 +27,7 @@ from lightning_commstrats.strategies import (
     ExpertParallelStrategy,
     LocalSGDStrategy,
     ModelAveragingStrategy,
+    OneBitAdamStrategy,
     OneBitSGDStrategy,
     ParameterServerStrategy,
     PeriodicSyncStrategy,
@@ -53,6 +54,7 @@ __all__ = [
     "LayeredMixedPrecision",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
+    "OneBitAdamStrategy",
     "OneBitSGDStrategy",
     "ParameterServerStrategy",
     "PeriodicSyncStrategy",
@@ -65,3 +67,4 @@ __all__ = [
 
 register_strategies()
 register_fabric_strategies()
+suggest_names_in_trainer()  # Trainer(strategy=<unknown name>) names the nearest names

@@ -56,7 +56,7 @@ def test_fresh_registry_gets_every_name():
     [
         ("dilocco", ["diloco"]),
         ("streaming-diloco", ["streaming_diloco"]),
-        ("onebit", ["onebit_sgd"]),
+        ("onebit", ["onebit_sgd", "onebit_adam"]),
         ("dpp", ["ddp"]),  # Lightning's names count
         ("DiLoCoStrategy", ["diloco"]),  # a class name stands for its registered name
         ("lightning_commstrats.DiLoCoStrateg", ["diloco"]),

@@ -6,6 +6,7 @@ from lightning_commstrats.strategies.bmuf import BMUFStrategy
 from lightning_commstrats.strategies.diloco import DiLoCoStrategy
 from lightning_commstrats.strategies.expert_parallel import ExpertParallelStrategy
 from lightning_commstrats.strategies.local_sgd import LocalSGDStrategy
+from lightning_commstrats.strategies.onebit_adam import OneBitAdamStrategy
 from lightning_commstrats.strategies.onebit_sgd import OneBitSGDStrategy
 from lightning_commstrats.strategies.parameter_server import ParameterServerStrategy
 from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, PeriodicSyncStrategy
@@ -25,6 +26,7 @@ STRATEGIES: tuple[type[CommStrategy], ...] = (
     SampledVocabStrategy,
     ExpertParallelStrategy,
     ParameterServerStrategy,
+    OneBitAdamStrategy,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "ExpertParallelStrategy",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",
+    "OneBitAdamStrategy",
     "OneBitSGDStrategy",
     "ParameterServerStrategy",
     "PeriodicSyncStrategy",

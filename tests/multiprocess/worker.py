@@ -23,7 +23,9 @@ every rank keeps ``train_seconds``, its training loop's time), ``slow_exchange``
 seconds]``: that rank sleeps before each pseudo-gradient average of a periodic scheme, in the
 thread the exchange runs in, so the other ranks' collective waits for it) and
 ``record_exchange`` (keep every pseudo-gradient a periodic strategy averages: this rank's, then the
-average). Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
+average), ``record_gradients`` (keep this rank's own gradients of every step, before any exchange).
+The ``mlp`` model takes ``model_kwargs`` ``optimizer`` ("sgd", "adam" or "adamw"), ``lr`` and
+``weight_decay``. Models: ``mlp``, ``manual2``, ``lm``, ``moe``, ``bn`` (a BatchNorm, other data per rank),
 ``uneven`` (rank ``r`` trains on batches of ``batch_size + 2 r``), ``wide`` (16 MiB of weights).
 ``save_memory``: after fit, save ``OUT_DIR/<scenario>.ckpt`` and keep how far resident memory rose.
 ``validate_ckpt`` (``[scenario, step]``: validate that checkpoint instead of training), ``validate_after``
@@ -61,13 +63,22 @@ from lightning_commstrats.models import LanguageModel
 
 
 class Mlp(BoringModel):
-    """Two layers with momentum SGD; regresses a random target."""
+    """Two layers with momentum SGD (or ``optimizer`` "adam"/"adamw" at ``lr`` with ``weight_decay``);
+    regresses a random target."""
 
-    def __init__(self, batch_size: int = 4, momentum: float = 0.9) -> None:
+    def __init__(
+        self,
+        batch_size: int = 4,
+        momentum: float = 0.9,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        weight_decay: float = 0.0,
+    ) -> None:
         super().__init__()
         self.layer = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 2))
         self.batch_size = batch_size
         self.momentum = momentum
+        self.optimizer, self.lr, self.weight_decay = optimizer, lr, weight_decay
         self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -77,7 +88,10 @@ class Mlp(BoringModel):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum)
+        if self.optimizer in ("adam", "adamw"):
+            kind = torch.optim.Adam if self.optimizer == "adam" else torch.optim.AdamW
+            return kind(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(RandomDataset(32, 256), batch_size=self.batch_size, shuffle=False)
@@ -413,6 +427,23 @@ def record_pseudo_gradients(strategy: Any, out: list[dict[str, Any]]) -> None:
     strategy.average_pseudo_gradient = recorded
 
 
+def record_gradients(strategy: Any, out: list[dict[str, torch.Tensor]]) -> None:
+    """Wrap the strategy's ``after_backward``: keep, per step, this rank's own gradients (by name)
+    as backward left them, before any exchange."""
+    after_backward = strategy.after_backward
+
+    def recorded(optimizer: Any) -> None:
+        out.append(
+            {
+                n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                for n, p in strategy.lightning_module.named_parameters()
+            }
+        )
+        after_backward(optimizer)
+
+    strategy.after_backward = recorded
+
+
 def slow_exchange(strategy: Any, rank: int, seconds: float) -> None:
     """Wrap the strategy's pseudo-gradient averaging: rank ``rank`` sleeps ``seconds`` before each."""
     average = strategy.average_pseudo_gradient
@@ -519,6 +550,9 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         record_pseudo_gradients(strategy, exchanges)
     if sc.get("slow_exchange"):
         slow_exchange(strategy, *sc["slow_exchange"])
+    gradients: list[dict[str, torch.Tensor]] = []
+    if sc.get("record_gradients"):
+        record_gradients(strategy, gradients)
     pushes: list[dict[str, Any]] = []
     replies = record_pushes(strategy, pushes) if sc.get("record_pushes") else []
     trainer = L.Trainer(
@@ -563,6 +597,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "rank_state_after_fit": clone(strategy.rank_state_dict()) if sc.get("state_trace") else None,
         "precision": trainer.precision_plugin.state_dict(),
         "exchanges": exchanges,
+        "gradients": gradients,
         "pushes": pushes,
         "buffers_before_end": at_end.buffers,
         "val_loss": val_loss,

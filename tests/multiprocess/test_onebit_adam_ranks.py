@@ -1,0 +1,139 @@
+"""``onebit_adam`` on real ranks against a simulation of 1-bit Adam written from the paper's
+equations (Tang et al., ICML 2021, Algorithm 1), not from the package's code.
+
+Each rank records its own gradients before any exchange; the simulation replays them: Adam on the
+averaged gradient for the warm-up, then per rank the momentum from its own gradient, compressed
+with error feedback (worker error), averaged by a server that compresses the average again with
+its own error feedback, and the update with the variance frozen. The compressor ``C`` is 1-bit
+SGD's (Seide et al., 2014): per column of the ``[shape[0], rest]`` view, the sign, and the mean of
+the column's non-negative entries or of its negative ones. Small tensors (and 1-D ones) travel in
+fp32: their momentum is averaged exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+FREEZE, STEPS, LR, WD, SMALL = 3, 8, 0.01, 0.01, 64
+B1, B2, EPS = 0.9, 0.999, 1e-8
+SHAPES = {"layer.0.weight": (16, 32), "layer.0.bias": (16,), "layer.2.weight": (2, 16), "layer.2.bias": (2,)}
+
+
+def compress(x: torch.Tensor) -> torch.Tensor:
+    """1-bit, per column of the [shape[0], rest] view: the mean of its entries of the same sign."""
+    cols = x.reshape(x.shape[0], -1).double()
+    positive = cols >= 0
+    pos = torch.where(positive, cols, 0).sum(0) / positive.sum(0).clamp(min=1)
+    neg = torch.where(positive, 0, cols).sum(0) / (~positive).sum(0).clamp(min=1)
+    return torch.where(positive, pos, neg).reshape(x.shape)
+
+
+def quantized(name: str) -> bool:
+    return len(SHAPES[name]) > 1 and math.prod(SHAPES[name]) > SMALL
+
+
+def simulate(start: dict[str, torch.Tensor], grads: list[list[dict[str, torch.Tensor]]], decoupled: bool):
+    """The weights after every step. ``grads[r][t]``: rank r's gradients of step t."""
+    n = len(grads)
+    x = {k: v.double().clone() for k, v in start.items()}
+    m = {k: torch.zeros_like(v) for k, v in x.items()}
+    v = {k: torch.zeros_like(t) for k, t in x.items()}
+    worker = [{k: torch.zeros_like(t) for k, t in x.items()} for _ in range(n)]
+    server = {k: torch.zeros_like(t) for k, t in x.items()}
+    out = []
+    for t in range(1, STEPS + 1):
+        own = [{k: g.double() + (0 if decoupled else WD * x[k]) for k, g in grads[r][t - 1].items()} for r in range(n)]
+        for k in x:
+            if t <= FREEZE:  # Adam on the averaged gradient
+                g = sum(o[k] for o in own) / n
+                m[k] = B1 * m[k] + (1 - B1) * g
+                v[k] = B2 * v[k] + (1 - B2) * g * g
+                vhat = v[k] / (1 - B2**t)
+            else:  # the paper's compression stage
+                local = [B1 * m[k] + (1 - B1) * o[k] for o in own]
+                if quantized(k):
+                    sent = []
+                    for r in range(n):
+                        u = local[r] + worker[r][k]
+                        sent.append(compress(u))
+                        worker[r][k] = u - sent[r]
+                    s = sum(sent) / n + server[k]
+                    m[k] = compress(s)
+                    server[k] = s - m[k]
+                else:
+                    m[k] = sum(local) / n
+                vhat = v[k] / (1 - B2**FREEZE)  # frozen at the warm-up's last step
+            if decoupled:
+                x[k] = x[k] * (1 - LR * WD)
+            x[k] = x[k] - LR / (1 - B1**t) * m[k] / (vhat.sqrt() + EPS)
+        out.append(torch.cat([x[k].reshape(-1) for k in SHAPES]))
+    return out
+
+
+def unflat(flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    out, i = {}, 0
+    for k, shape in SHAPES.items():
+        out[k] = flat[i : i + math.prod(shape)].reshape(shape)
+        i += math.prod(shape)
+    return out
+
+
+def scenario(optimizer: str, world: int = 2, **extra) -> dict:
+    kwargs = {"freeze_step": FREEZE, "small_tensor_numel": SMALL}
+    model = {"optimizer": optimizer, "lr": LR, "weight_decay": WD}
+    base = {"strategy": "onebit_adam", "kwargs": kwargs, "model_kwargs": model, "max_steps": STEPS, "devices": world}
+    return {**base, "trace": True, "record_gradients": True, **extra}
+
+
+@pytest.mark.parametrize(("world", "optimizer"), [(2, "adamw"), (3, "adam")])
+def test_the_update_is_the_papers_step_by_step_before_and_after_the_freeze(world, optimizer):
+    ranks = [r["ob"] for r in run_ranks({"scenarios": {"ob": scenario(optimizer, world)}}, world)]
+    for r in ranks[1:]:  # every rank holds the same weights after every step
+        for a, b in zip(ranks[0]["trace"], r["trace"], strict=True):
+            assert torch.equal(a, b)
+    expected = simulate(unflat(ranks[0]["start_params"]), [r["gradients"] for r in ranks], optimizer == "adamw")
+    got = ranks[0]["trace"]
+    assert len(got) == len(expected) == STEPS
+    for t, (g, e) in enumerate(zip(got, expected, strict=True), start=1):
+        step = (g.double() - (got[t - 2].double() if t > 1 else ranks[0]["start_params"].double())).abs().max()
+        err = (g.double() - e).abs().max()
+        print(f"step {t}: largest update {step:.3e}, largest difference from the simulation {err:.3e}")
+        assert err < 1e-6 * max(1.0, float(step) * 1e3), t
+
+
+def test_after_the_freeze_the_bytes_are_the_1_bit_momentum_counted_by_hand():
+    world = 2
+    ranks = [r["ob"] for r in run_ranks({"scenarios": {"ob": scenario("adamw")}}, world)]
+    # layer.0.weight: 16 rows x 32 columns, the columns in 2 stripes of 16: a stripe is 2 float32
+    # scales per column and 1 bit per value, 16 x 8 + 16 x 16 / 8 = 160 bytes. Stage 1 sends the
+    # other rank its stripe (160); stage 2 all-gathers the owner's stripe (ring: 160 to the other).
+    # fp32: layer.0.bias 16, layer.2.weight 32 (<= 64 values), layer.2.bias 2 = 50 floats, a ring
+    # all-reduce of 2 chunks of 25 sends 25 x 4 x 2 = 200 bytes.
+    for r in ranks:
+        for t, step in enumerate(r["step_bytes"], start=1):
+            quant, fp32 = step.get("grad_quantized/bytes_sent", 0), step.get("grad/bytes_sent", 0)
+            if t <= FREEZE:  # the warm-up: the whole gradient in fp32, 16x32 + 50 = 562 floats
+                assert (quant, fp32) == (0, 2 * (world - 1) * math.ceil(562 / world) * 4), t
+            else:
+                assert (quant, fp32) == (160 + 160, 200), t
+    # against allreduce after the freeze: 1124 x 4 bytes of fp32 ring for the same tensors
+    print(f"after the freeze: {320 + 200} bytes/step against {2 * 281 * 4} for fp32")
+
+
+def test_a_checkpoint_mid_run_resumes_bit_for_bit():
+    # 256 samples / (2 ranks x 32) = 4 steps an epoch: the checkpoint at the epoch's end, step 4,
+    # one step past the freeze (both residuals, the momentum and the frozen variance in use)
+    full = scenario("adamw", ckpt_every=4, batch_size=32)
+    resumed = scenario("adamw", resume=["full", 4], batch_size=32)
+    results = run_ranks({"scenarios": {"full": full, "resumed": resumed}}, 2)
+    for r in results:
+        after = r["full"]["trace"][4:]
+        assert len(after) == len(r["resumed"]["trace"]) == STEPS - 4
+        for a, b in zip(after, r["resumed"]["trace"], strict=True):
+            assert torch.equal(a, b)
