@@ -24,7 +24,7 @@ Wire format of one rank's payload for ``C`` chunks (every rank's has the same si
 all-gather carries them):
 
 - below 32 bits: ``lo`` then ``hi`` (``C`` float32 each): the smallest and the largest magnitude
-  among each chunk's kept values;
+  among each chunk's kept values (0 and 0 for a chunk that keeps none);
 - the kept positions inside their chunk, Elias-Fano coded (ascending within a chunk): with
   ``l = floor(log2(chunk / k))`` low bits, first the low ``l`` bits of every position (chunk after
   chunk, each packed most significant bit first), then per chunk a bit vector of
@@ -32,11 +32,15 @@ all-gather carries them):
   ``p_i`` (chunk after chunk, first bit most significant). ``l + 2`` bits per position at most (8 at
   4096/64: 6 low bits and 2 of the vector, against 12 for a fixed-width index and 32 or 64 for a
   plain int32 or int64 one); the decoder reads the ``i``-th set bit at ``j`` as ``p_i = ((j - i) << l) |
-  low_i``;
+  low_i``. A slot that keeps nothing holds the position ``chunk``, one past the chunk's end (the
+  vector has room for it: bit ``(chunk >> l) + i`` is within its length), after every real one: a
+  chunk with fewer than ``k`` values that are not zero (exact zeros, or the padding after a
+  tensor's end) keeps only those, and its empty slots rebuild as nothing;
 - the values: at ``bits`` < 32 one code each, ``bits`` per value packed as
   :func:`~lightning_commstrats.compression.pack_bits` packs them: the high bit is the sign
   (set for negative values), the other ``bits - 1`` bits are the magnitude's bin among ``2^(bits-1)``
-  equal bins of ``[lo, hi]``, rebuilt as the bin's centre ``lo + (bin + 0.5) (hi - lo) / 2^(bits-1)``
+  equal bins of ``[lo, hi]`` (the kept values' range, empty slots left out; an empty slot's code is
+  0), rebuilt as the bin's centre ``lo + (bin + 0.5) (hi - lo) / 2^(bits-1)``
   (as :class:`~lightning_commstrats.compression.ColumnCodec` computes its grid: ``step = (hi - lo) /
   bins``, ``inv = 1 / step`` or 0, the bin ``(|v| - lo) * inv`` truncated and clamped); at 32 bits the
   float32 values themselves.
@@ -50,6 +54,7 @@ about 1/0.0156/11 * 32 = 186 times fewer bits than the dense float32 matrix.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -70,6 +75,50 @@ def elias_fano_bits(chunk: int, k: int) -> tuple[int, int]:
 
 
 PACK_SLICE = 1 << 20  # integers per pass of pack_uint / unpack_uint: bounded scratch memory
+
+
+def encode_positions(positions: Tensor, chunk: int, k: int) -> Tensor:
+    """The Elias-Fano code (``uint8``) of ``[chunks, k]`` positions in ``[0, chunk]``, ascending in each row
+    (``chunk``: an empty slot; see the module docstring)."""
+    low, upper_bits = elias_fano_bits(chunk, k)
+    upper = torch.zeros(positions.shape[0], upper_bits, dtype=torch.uint8, device=positions.device)
+    upper.scatter_(1, (positions >> low) + torch.arange(k, device=positions.device), 1)
+    vector = pack_bits(upper.view(-1), 1)
+    if low == 0:
+        return vector
+    return torch.cat([pack_uint(positions & ((1 << low) - 1), low), vector])
+
+
+def positions_bytes(chunks: int, chunk: int, k: int) -> tuple[int, int]:
+    """Bytes of the low bits and of the upper-bit vectors of ``chunks`` rows of ``k`` positions below ``chunk``."""
+    low, upper_bits = elias_fano_bits(chunk, k)
+    return packed_bytes(chunks * k * low, 1), packed_bytes(chunks * upper_bits, 1)
+
+
+def decode_positions(code: Tensor, chunks: int, chunk: int, k: int) -> Tensor:
+    """Inverse of :func:`encode_positions`: the ``[chunks, k]`` positions (int64)."""
+    low, upper_bits = elias_fano_bits(chunk, k)
+    low_len, upper_len = positions_bytes(chunks, chunk, k)
+    upper = unpack_bits(code[low_len : low_len + upper_len], 1, chunks * upper_bits).view(chunks, upper_bits)
+    if not bool((upper.sum(1, dtype=torch.int32) == k).all()):
+        raise ValueError(f"a payload's positions do not hold {k} per chunk: not made by this codec")
+    column = upper.nonzero(as_tuple=True)[1]  # row-major: each chunk's set bits, ascending
+    high = column.view(chunks, k) - torch.arange(k, device=code.device)
+    if low == 0:
+        return high
+    return (high << low) | unpack_uint(code[:low_len], low, chunks * k).view(chunks, k)
+
+
+def select_topk(block: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``(positions, values)``: the ``k`` largest magnitudes of each row of ``block``, positions ascending.
+    A kept value that is zero (the row has fewer than ``k`` others) is an empty slot: its position is
+    the row's length (after every real one) and its value 0."""
+    chunk = block.shape[1]
+    positions = block.abs().topk(k, dim=1, sorted=False).indices
+    values = block.gather(1, positions)
+    positions.masked_fill_(values == 0, chunk)
+    positions, order = positions.sort(dim=1)
+    return positions, values.gather(1, order).masked_fill_(positions == chunk, 0.0)
 
 
 def pack_uint(values: Tensor, width: int) -> Tensor:
@@ -137,7 +186,7 @@ class TopKCodec:
 
     def positions_bytes(self, chunks: int) -> tuple[int, int]:
         """Bytes of the low bits and of the upper-bit vectors of ``chunks`` chunks' positions."""
-        return packed_bytes(chunks * self.k * self.low_bits, 1), packed_bytes(chunks * self.upper_bits, 1)
+        return positions_bytes(chunks, self.chunk, self.k)
 
     def payload_bytes(self, chunks: int) -> int:
         """Bytes of the payload of ``chunks`` chunks."""
@@ -148,52 +197,31 @@ class TopKCodec:
 
     def encode_positions(self, positions: Tensor) -> Tensor:
         """The Elias-Fano code of ``[chunks, k]`` positions, ascending in each row (``uint8``)."""
-        chunks = positions.shape[0]
-        upper = torch.zeros(chunks, self.upper_bits, dtype=torch.uint8, device=positions.device)
-        rank = torch.arange(self.k, device=positions.device)
-        upper.scatter_(1, (positions >> self.low_bits) + rank, 1)
-        vector = pack_bits(upper.view(-1), 1)
-        if self.low_bits == 0:
-            return vector
-        return torch.cat([pack_uint(positions & ((1 << self.low_bits) - 1), self.low_bits), vector])
+        return encode_positions(positions, self.chunk, self.k)
 
     def decode_positions(self, code: Tensor, chunks: int) -> Tensor:
         """Inverse of :meth:`encode_positions`: the ``[chunks, k]`` positions (int64)."""
-        low_len, upper_len = self.positions_bytes(chunks)
-        upper = unpack_bits(code[low_len : low_len + upper_len], 1, chunks * self.upper_bits)
-        upper = upper.view(chunks, self.upper_bits)
-        if not bool((upper.sum(1, dtype=torch.int32) == self.k).all()):
-            raise ValueError(f"a payload's positions do not hold {self.k} per chunk: not made by this codec")
-        column = upper.nonzero(as_tuple=True)[1]  # row-major: each chunk's set bits, ascending
-        high = column.view(chunks, self.k) - torch.arange(self.k, device=code.device)
-        if self.low_bits == 0:
-            return high
-        low = unpack_uint(code[:low_len], self.low_bits, chunks * self.k).view(chunks, self.k)
-        return (high << self.low_bits) | low
+        return decode_positions(code, chunks, self.chunk, self.k)
 
-    def encode(self, block: Tensor, padding: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def encode(self, block: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Returns ``(payload, positions, kept)``: the ``uint8`` payload, the kept positions ``[chunks, k]``
-        (int64, ascending in each row) and the values the payload rebuilds there (float32).
-        ``padding`` (boolean, like ``block``) marks values that are not data: kept only when a chunk
-        has fewer than ``k`` others."""
+        (int64, ascending in each row; ``chunk`` for an empty slot, after the others) and the values
+        the payload rebuilds there (float32; 0 in an empty slot): a chunk with fewer than ``k`` values
+        that are not zero keeps only those."""
         if block.dim() != 2 or block.shape[1] != self.chunk or block.dtype != torch.float32:
             raise ValueError(
                 f"encode takes a float32 [chunks, {self.chunk}] block, got {tuple(block.shape)} {block.dtype}"
             )
         chunks = block.shape[0]
-        magnitude = block.abs()
-        if padding is not None:
-            magnitude.masked_fill_(padding, -1.0)
-        positions = magnitude.topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
-        del magnitude
-        values = block.gather(1, positions)
+        positions, values = select_topk(block, self.k)
         index_part = self.encode_positions(positions)
         if self.bits == 32:
             return torch.cat([index_part, values.reshape(-1).view(torch.uint8)]), positions, values
-        codes, lo, hi = self._quantize(values)
+        empty = positions == self.chunk
+        codes, lo, hi = self._quantize(values, empty)
         payload = torch.cat([lo.view(torch.uint8), hi.view(torch.uint8), index_part, pack_bits(codes, self.bits)])
         assert payload.numel() == self.payload_bytes(chunks)
-        return payload, positions, self._dequantize(codes, lo, hi)
+        return payload, positions, self._dequantize(codes, lo, hi, empty)
 
     def decode(self, payloads: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
         """Positions ``[R, chunks, k]`` and values (float32) of ``R`` payloads ``[R, bytes]`` made by
@@ -214,27 +242,30 @@ class TopKCodec:
                 lo = _view(p[: 4 * chunks], torch.float32)
                 hi = _view(p[4 * chunks : scales], torch.float32)
                 codes = unpack_bits(rest, self.bits, kept).view(chunks, self.k)
-                values.append(self._dequantize(codes, lo, hi))
+                values.append(self._dequantize(codes, lo, hi, positions[-1] == self.chunk))
         if not positions:
             empty = torch.empty(r, chunks, self.k)
             return empty.long(), empty
         return torch.stack(positions), torch.stack(values)
 
-    def _quantize(self, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _quantize(self, values: Tensor, empty: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         magnitude = values.abs()
-        lo, hi = magnitude.amin(1), magnitude.amax(1)
+        # the range of the values kept, empty slots left out (their 0 had stretched it down to 0)
+        lo = magnitude.masked_fill(empty, math.inf).amin(1)
+        lo = torch.where(empty.all(1), 0.0, lo)
+        hi = magnitude.amax(1)  # an empty slot's 0 is never above a kept magnitude
         bins = 1 << (self.bits - 1)
         step = (hi - lo) / bins
         inv = torch.where(step > 0, 1.0 / step, 0.0).unsqueeze(1)
         level = magnitude.sub_(lo.unsqueeze(1)).mul_(inv).clamp_(0, bins - 1).to(torch.uint8)
         sign = (values < 0).to(torch.uint8) << (self.bits - 1)
-        return level | sign, lo, hi
+        return (level | sign).masked_fill_(empty, 0), lo, hi
 
-    def _dequantize(self, codes: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    def _dequantize(self, codes: Tensor, lo: Tensor, hi: Tensor, empty: Tensor) -> Tensor:
         bins = 1 << (self.bits - 1)
         step = ((hi - lo) / bins).unsqueeze(1)
         magnitude = (codes & (bins - 1)).float().add_(0.5).mul_(step).add_(lo.unsqueeze(1))
-        return torch.where(codes >= bins, -magnitude, magnitude)
+        return torch.where(codes >= bins, -magnitude, magnitude).masked_fill_(empty, 0.0)
 
 
 class SparseAllGather:
@@ -302,21 +333,17 @@ class SparseAllGather:
                 dst.copy_(g.reshape(-1))
         # a chunk holding an inf or a NaN reaches every rank's average as non-finite with no check here:
         # top-k ranks a NaN above every number and keeps an inf, so its chunk's scales (or values)
-        # travel non-finite and rebuild as non-finite values
-        padding = None
-        if any(grads[name].numel() % chunk for name, _, _ in layout):
-            padding = torch.zeros(total * chunk, dtype=torch.bool, device=device)
-            for name, row, chunks in layout:
-                padding[row * chunk + grads[name].numel() : (row + chunks) * chunk] = True
-            padding = padding.view(total, chunk)
-        payload, positions, kept = self.codec.encode(block, padding)
-        # what was not sent stays: e - s at the kept positions, e elsewhere
-        block.scatter_(1, positions, block.gather(1, positions) - kept)
+        # travel non-finite and rebuild as non-finite values. The padding after a tensor's end is 0:
+        # kept only in a chunk with fewer than k other values, as an empty slot (so is a kept 0)
+        payload, positions, kept = self.codec.encode(block)
+        # what was not sent stays: e - s at the kept positions, e elsewhere. An empty slot (position
+        # ``chunk``) adds 0 at the chunk's last value, which changes nothing there
+        block.scatter_add_(1, positions.clamp_(max=chunk - 1), kept.neg_())
         everything = self.comm.all_gather(payload, tag=self.tag)
         acc = torch.zeros(total, chunk, dtype=torch.float32, device=device)
         for r in range(n):  # rank order: every rank adds the same values in the same order
             rank_positions, rank_values = self.codec.decode(everything[r : r + 1], total)
-            acc.scatter_add_(1, rank_positions[0], rank_values[0])
+            acc.scatter_add_(1, rank_positions[0].clamp_(max=chunk - 1), rank_values[0])
         acc.div_(n)
         acc_flat = acc.view(-1)
         result: dict[str, Tensor] = {}

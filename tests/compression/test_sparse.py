@@ -68,8 +68,10 @@ def reference_encode(block: np.ndarray, k: int, bits: int) -> tuple[bytes, np.nd
 
 
 def dense(positions: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tensor:
-    out = torch.zeros(positions.shape[0], chunk)
-    return out.scatter_(1, positions, values)
+    """The ``[chunks, chunk]`` values a chunk's kept positions and values stand for (a position of ``chunk``
+    keeps nothing)."""
+    out = torch.zeros(positions.shape[0], chunk + 1)
+    return out.scatter_(1, positions, values)[:, :chunk]
 
 
 @pytest.mark.parametrize(
@@ -223,15 +225,15 @@ def test_saved_residuals_name_their_codec_and_another_codec_refuses_them():
         sparse.check_state({"residuals": {"w": torch.zeros(8, 8)}, "residuals2": {}}, {"w": torch.Size([8, 8])})
 
 
-def test_padding_is_kept_only_when_a_chunk_has_fewer_values_than_k():
-    codec = TopKCodec(8, 4, 32)
-    block = torch.tensor([[0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
-    padding = torch.tensor([[False] * 5 + [True] * 3])
-    _, positions, _ = codec.encode(block, padding)
-    kept = positions.tolist()[0]
-    assert 2 in kept and max(kept) < 5  # the real zeros rank above the padding (any 3 of them: ties)
-    _, positions, _ = codec.encode(block, torch.tensor([[False] * 2 + [True] * 6]))
-    assert sorted(positions.tolist()[0])[:2] == [0, 1]  # two values only: the rest is padding
+@pytest.mark.parametrize("bits", [2, 32])
+def test_a_chunk_with_fewer_values_than_k_keeps_only_those_and_empty_slots_after_them(bits):
+    codec = TopKCodec(8, 4, bits)
+    block = torch.tensor([[0.0, 0.0, 3.0, 0.0, 0.0, -1.0, 0.0, 0.0], [0.0] * 8])
+    payload, positions, kept = codec.encode(block)
+    assert positions.tolist() == [[2, 5, 8, 8], [8, 8, 8, 8]]  # 8: one past the chunk's end, nothing kept
+    assert kept[:, 2:].eq(0).all() and kept[1].eq(0).all()
+    got_positions, got_values = codec.decode(payload.unsqueeze(0), 2)
+    assert torch.equal(got_positions[0], positions) and torch.equal(got_values[0], kept)
 
 
 @pytest.mark.parametrize("codec", ["uniform", "topk"])
@@ -245,3 +247,41 @@ def test_one_rank_reports_a_non_finite_pseudo_gradient_as_many_ranks_do(codec):
     assert ex.average({"w": good, "b": bad}) == ["b"]
     assert torch.equal(good, kept)
     assert ex.average({"w": good}) == []
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_kept_zeros_rebuild_as_zeros_and_the_real_values_keep_their_own_range(bits):
+    """A chunk with fewer non-zero values than ``k`` keeps zeros: exact zeros of the data, or the padding
+    after a tensor's end. They must rebuild as 0 (not as the lowest magnitude bin: +lo + step / 2), and
+    the scales must be the real values' (a kept 0 had put ``lo`` at 0, and values of 0.9 to 1.0 all
+    fell in one bin at 2 bits)."""
+    codec = TopKCodec(16, 8, bits)
+    block = torch.zeros(2, 16)
+    block[0, [2, 7, 11]] = torch.tensor([1.0, -0.9, 0.95])  # 3 values and 13 zeros: 5 zeros kept
+    block[1] = torch.randn(16, generator=torch.Generator().manual_seed(1))  # a full chunk beside it
+    payload, positions, kept = codec.encode(block)
+    got_positions, got_values = codec.decode(payload.unsqueeze(0), 2)
+    half_bin = (1.0 - 0.9) / 2 ** (bits - 1) / 2
+    for where, values in ((positions, kept), (got_positions[0], got_values[0])):
+        rebuilt = dense(where, values, 16)
+        assert torch.equal(rebuilt[0] != 0, block[0] != 0), rebuilt[0]
+        assert float((rebuilt[0] - block[0]).abs().max()) <= half_bin + 1e-6
+        assert int((rebuilt[1] != 0).sum()) == 8
+
+
+def test_the_exchange_sends_no_spurious_values_for_zeros_or_padding():
+    """One rank's exchange: a tensor with 10 non-zero values in a chunk that keeps 32 sends those 10 and
+    nothing else (22 values of +hi/4 before the fix); the real values of a tensor's last, padded chunk
+    are rebuilt on their own range, not on one stretched down to the padding's 0."""
+    exchange = SparseAllGather(TopKCodec(64, 32, 2), LocalCommunicator(), decay=1.0)
+    g = torch.Generator().manual_seed(0)
+    z = torch.zeros(4, 16)
+    z.view(-1)[torch.randperm(64, generator=g)[:10]] = 1.0 + torch.rand(10, generator=g)
+    w = torch.randn(2, 40, generator=g)
+    w.view(-1)[64:] = (1.0 + 0.1 * torch.rand(16, generator=g)) * torch.sign(torch.randn(16, generator=g))
+    out = exchange({"z": z.clone(), "w": w.clone()})
+    assert int((out["z"] != 0).sum()) == 10
+    assert torch.equal(out["z"] != 0, z != 0)
+    tail, sent = w.view(-1)[64:], out["w"].view(-1)[64:]  # 16 values of magnitude 1 to 1.1, all kept
+    assert float((sent - tail).abs().max()) <= 0.1 / 2 / 2 + 1e-6
+    assert torch.equal(exchange.residuals["z"] + out["z"], z)
