@@ -64,7 +64,7 @@ class FrozenVarianceAdam:
                 f" got {type(optimizer).__name__} (for SGD-style optimizers use onebit_sgd)"
             )
         for i, group in enumerate(optimizer.param_groups):
-            for key in ("amsgrad", "maximize", "differentiable"):
+            for key in ("amsgrad", "maximize", "differentiable", "capturable"):
                 if group.get(key):
                     raise ValueError(
                         f"onebit_adam continues Adam with its variance frozen, which has no {key}=True form:"
@@ -103,12 +103,15 @@ class FrozenVarianceAdam:
             states = [self._state(optimizer, p) for p in ps]
             averaged = [p.grad for p in ps]
             torch._foreach_copy_(moments := [s["exp_avg"] for s in states], averaged)
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            # the counts on the host: one transfer for the group when the optimizer keeps them on the
+            # device (fused), none when on the host (torch's default)
+            counts = torch.stack(steps).tolist() if steps[0].is_cuda else [float(t) for t in steps]
             sizes, corrections = [], []
-            for p, s in zip(ps, states, strict=True):
-                name = wanted[id(p)]
-                frozen = self.frozen_at.setdefault(name, int(s["step"]))
-                s["step"] += 1
-                t = int(s["step"])
+            for p, c in zip(ps, counts, strict=True):
+                t = int(c)
+                frozen = self.frozen_at.setdefault(wanted[id(p)], t - 1)
                 if self.bias_correction:
                     sizes.append(-lr / (1 - b1**t))
                     corrections.append(1 / math.sqrt(1 - b2**frozen))
@@ -164,7 +167,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
     in fp32 and the user's optimizer steps as it is.
 
     The optimizer (from ``configure_optimizers``) must be ``torch.optim.Adam`` or ``AdamW`` without
-    ``amsgrad``/``maximize``; its learning rate is read at every step (schedulers work), weight
+    ``amsgrad``, ``maximize`` or ``capturable``; its learning rate is read at every step (schedulers work), weight
     decay applies as its class applies it (L2 into the gradient for Adam, decoupled for AdamW).
     Gradient clipping set on the Trainer applies to each rank's own gradient after the freeze
     (before the momentum), to the averaged gradient before it.
