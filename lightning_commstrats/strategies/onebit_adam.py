@@ -167,8 +167,9 @@ class OneBitAdamStrategy(AllReduceStrategy):
     in fp32 and the user's optimizer steps as it is.
 
     The optimizer (from ``configure_optimizers``) must be ``torch.optim.Adam`` or ``AdamW`` without
-    ``amsgrad``, ``maximize`` or ``capturable``; its learning rate is read at every step (schedulers work), weight
-    decay applies as its class applies it (L2 into the gradient for Adam, decoupled for AdamW).
+    ``amsgrad``, ``maximize`` or ``capturable``; its learning rate is read at every step (schedulers
+    work), weight decay applies as its class applies it (L2 into the gradient for Adam, decoupled
+    for AdamW).
     Gradient clipping set on the Trainer applies to each rank's own gradient after the freeze
     (before the momentum), to the averaged gradient before it.
 
