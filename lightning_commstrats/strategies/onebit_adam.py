@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Adam, Optimizer
 from typing_extensions import override
@@ -237,6 +238,18 @@ class OneBitAdamStrategy(AllReduceStrategy):
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             self.adam.check_optimizer(optimizer)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        total = trainer.estimated_stepping_batches
+        if math.isfinite(total) and total <= self.freeze_step:
+            rank_zero_warn(
+                f"onebit_adam: this fit has {int(total)} optimizer steps and the variance is frozen after"
+                f" freeze_step={self.freeze_step}: it never compresses (it is allreduce with Adam). Pass a"
+                " freeze_step of about 15-25% of the run (the paper's), after the variance has settled."
+            )
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:

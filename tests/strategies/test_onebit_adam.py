@@ -87,6 +87,11 @@ def test_one_rank_after_the_freeze_is_adam_with_its_variance_frozen():
     assert strategy.comm_stats.bytes_sent == 0  # one rank: nothing travels
 
 
+def test_a_run_that_never_reaches_the_freeze_is_warned_of():
+    with pytest.warns(UserWarning, match="freeze_step=10: it never compresses"):
+        _fit(lambda ps: torch.optim.Adam(ps, lr=0.01), steps=6, freeze_step=10)
+
+
 def test_the_frozen_state_saves_and_loads():
     adam = FrozenVarianceAdam(3)
     adam.frozen_at = {"w": 3}
