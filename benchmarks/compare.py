@@ -297,6 +297,13 @@ def entries() -> list[Entry]:
             {"scheme": "onebit"},
         ),
         Entry(
+            "onebit_adam",
+            f"onebit_adam (variance frozen after {warm} steps)",
+            {"class_path": "lightning_commstrats.OneBitAdamStrategy", "init_args": {"freeze_step": warm}},
+            "ours",
+            {"scheme": "onebit"},
+        ),
+        Entry(
             "sampled_vocab",
             "sampled_vocab",
             {"class_path": "lightning_commstrats.SampledVocabStrategy", "init_args": {"alpha": 0.2, "beta": 0.1}},

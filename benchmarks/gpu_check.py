@@ -31,6 +31,7 @@ PERIODIC = {"sync_period": 2, "sync_period_unit": "steps"}
 SCHEMES: dict[str, dict[str, Any]] = {
     "allreduce": {},
     "onebit_sgd": {},
+    "onebit_adam": {"freeze_step": 1},  # steps 2 and 3 are the frozen-variance ones
     "model_averaging": PERIODIC,
     "bmuf": PERIODIC,
     "diloco": PERIODIC,
@@ -148,7 +149,8 @@ def main() -> int:
     failed = 0
     for scheme in SCHEMES:
         placements = ("host", "device") if "sync_period" in SCHEMES[scheme] else (None,)
-        for shard in (None, "fsdp"):
+        cls = L.pytorch.strategies.StrategyRegistry[scheme]["strategy"]
+        for shard in (None, "fsdp") if cls.supports_shard else (None,):
             for outer_state in placements:
                 label = f"| {scheme} | {shard or '-'} | {outer_state or '-'} |"
                 try:
