@@ -23,6 +23,19 @@ synchronous SGD says so in its note, and its quality must be checked (``benchmar
 races them to a target perplexity). :func:`recommend` therefore prefers, among the candidates
 within a tolerance of the fastest, the one that departs least from synchronous SGD.
 
+Memory: :func:`memory_per_rank` predicts the bytes one rank holds between optimizer steps: the
+parameters, their gradients and the inner optimizer's state (AdamW's two moments unless told
+otherwise), and the scheme's own state as the strategies allocate it (fused gradient buckets, error
+feedback residuals, the periodic schemes' global copy and outer optimizer state, a fragment's
+exchange in flight), on the device or in host memory (``outer_state``), unsharded or with
+``shard="fsdp"`` over groups of ``shard`` ranks. Every :class:`Candidate` carries its
+:class:`Memory`; the command prints it beside the step time (``--shard``, ``--outer-state``,
+``--optimizer``). Not counted: activations, FSDP2's gathered units, the transient buffers of a sync
+(flat copies of a fragment, the codec's scratch), module buffers, the allocator's slack.
+
+Every registered strategy name is either advised (:data:`SCHEMES`) or out of the advisor's scope
+with the reason (:data:`OUT_OF_SCOPE`).
+
 To measure the link between running ranks, :func:`measure_bandwidth` times an all-reduce of a
 known size on the ranks' :class:`~lightning_commstrats.comm.Communicator`.
 """
@@ -36,7 +49,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +57,49 @@ import torch
 
 from lightning_commstrats import cost_model
 from lightning_commstrats.comm import Communicator, wire
+from lightning_commstrats.compression.aggregation import MatrixLayout
 from lightning_commstrats.compression.exchange import EXCHANGE_BITS
 from lightning_commstrats.compression.rows import resolve_count
+from lightning_commstrats.compression.sparse import SPARSE_VALUE_BITS, TopKCodec
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.models.base import declared_vocabulary
+from lightning_commstrats.outer import OUTER_STATES
 from lightning_commstrats.strategies.periodic import PSEUDO_GRAD_BITS, fragment_bounds
+from lightning_commstrats.strategies.streaming_diloco import default_delay
 
 SCHEMES = (
     "allreduce",
     "onebit_sgd",
+    "onebit_adam",
     "sampled_vocab",
     "model_averaging",
     "bmuf",
     "local_sgd",
     "diloco",
     "streaming_diloco",
+    "sparseloco",
 )
-PERIODIC = ("model_averaging", "bmuf", "local_sgd", "diloco", "streaming_diloco")
+PERIODIC = ("model_averaging", "bmuf", "local_sgd", "diloco", "streaming_diloco", "sparseloco")
+# The registered strategy names the advisor does not predict, and why.
+OUT_OF_SCOPE = {
+    "expert_parallel": (
+        "a mixture-of-experts layout: its all-to-alls carry tokens, whose bytes depend on the routing,"
+        " the capacity factor and the expert placement, not on the parameter shapes alone"
+        " (benchmarks/moe_layout.py measures the layouts)"
+    ),
+    "parameter_server": (
+        "the 2018 paper's baseline over RPC: its asynchronous mode's time depends on how pushes queue at"
+        " the servers, which the cost model does not capture (cost_model.parameter_server gives a"
+        " synchronous exchange's seconds)"
+    ),
+}
+# The schemes that run on FSDP2 shards (shard="fsdp"): the strategies' `supports_shard`.
+SHARDABLE = ("allreduce", "onebit_sgd", "model_averaging", "bmuf", "diloco", "streaming_diloco", "sparseloco")
+# The inner optimizer's state per parameter: (buffers of the parameter's size and dtype, whether a
+# step counter tensor of 4 bytes is kept per parameter tensor), as torch.optim allocates them.
+INNER_OPTIMIZERS = {"adamw": (2, True), "adam": (2, True), "sgd_momentum": (1, False), "sgd": (0, False)}
+PARAM_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ACCELERATORS = ("gpu", "cpu")
 # The default grid: what a first look should cover.
 ONEBIT_BITS = (1, 2, 4, 8)
 AVERAGING_PERIODS = (4, 8, 16, 32)
@@ -73,7 +112,8 @@ SAMPLED_VOCAB = {"alpha": 0.2, "beta": 0.1}  # the race's setting: 20% frequent 
 SETTINGS = {
     "allreduce": (),
     "onebit_sgd": ("num_quantization_bits", "small_tensor_numel"),
-    "sampled_vocab": ("alpha", "beta", "num_quantization_bits"),
+    "onebit_adam": ("freeze_step", "num_quantization_bits", "small_tensor_numel"),
+    "sampled_vocab": ("alpha", "beta", "num_quantization_bits", "error_feedback"),
     "model_averaging": (
         "sync_period",
         "sync_period_unit",
@@ -83,7 +123,14 @@ SETTINGS = {
     ),
     "bmuf": ("sync_period", "sync_period_unit", "pseudo_grad_bits", "pseudo_grad_scales", "small_tensor_numel"),
     "local_sgd": ("sync_period", "pseudo_grad_bits", "pseudo_grad_scales", "small_tensor_numel"),
-    "diloco": ("sync_period", "sync_period_unit", "pseudo_grad_bits", "pseudo_grad_scales", "small_tensor_numel"),
+    "diloco": (
+        "sync_period",
+        "sync_period_unit",
+        "pseudo_grad_bits",
+        "pseudo_grad_scales",
+        "small_tensor_numel",
+        "outer_momentum",
+    ),
     "streaming_diloco": (
         "sync_period",
         "num_fragments",
@@ -91,8 +138,66 @@ SETTINGS = {
         "pseudo_grad_bits",
         "pseudo_grad_scales",
         "small_tensor_numel",
+        "outer_momentum",
+        "keep_local_progress",
+    ),
+    "sparseloco": (
+        "sync_period",
+        "sync_period_unit",
+        "num_fragments",
+        "fragment_sync_delay",
+        "pseudo_grad_bits",
+        "topk_chunk",
+        "topk_per_chunk",
+        "small_tensor_numel",
+        "keep_local_progress",
     ),
 }
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The bytes one rank holds between optimizer steps (see :func:`memory_per_rank`).
+
+    Attributes:
+        parameters: this rank's parameters (its shards with ``shard > 1``).
+        gradients: their gradients (``onebit_adam`` drops them after its own step; every backward
+            makes them again).
+        optimizer: the inner optimizer's state.
+        scheme: the scheme's own state, as ``(what, bytes, where)``, ``where`` ``"device"`` or ``"host"``.
+        on_device: where ``parameters``, ``gradients`` and ``optimizer`` live: ``"device"`` (a GPU
+            run) or ``"host"`` (a CPU run, where everything is host memory).
+        shard: the ranks a replica is sharded over (1: every rank holds the whole model).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    scheme: tuple[tuple[str, int, str], ...]
+    on_device: str = "device"
+    shard: int = 1
+
+    def scheme_bytes(self, where: str | None = None) -> int:
+        """The scheme's state in bytes: all of it, or what lives at ``where`` (``"device"``, ``"host"``)."""
+        return sum(b for _, b, w in self.scheme if where is None or w == where)
+
+    def _at(self, where: str) -> int:
+        own = self.parameters + self.gradients + self.optimizer if self.on_device == where else 0
+        return own + self.scheme_bytes(where)
+
+    @property
+    def device(self) -> int:
+        """Bytes of device (accelerator) memory."""
+        return self._at("device")
+
+    @property
+    def host(self) -> int:
+        """Bytes of host memory."""
+        return self._at("host")
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host
 
 
 @dataclass(frozen=True)
@@ -109,6 +214,9 @@ class Candidate:
         bytes_per_step: bytes one rank sends per step (a periodic exchange spread over its period).
         changes_optimisation: whether the scheme trains differently from synchronous SGD.
         note: what to know before picking it.
+        memory: the bytes one rank holds (:func:`memory_per_rank`), every rank holding the whole model.
+        sharded_memory: the same with ``shard="fsdp"`` over groups of ``memory_options["shard"]``
+            ranks, when asked and the scheme runs sharded (else ``None``).
     """
 
     scheme: str
@@ -118,6 +226,8 @@ class Candidate:
     bytes_per_step: float
     changes_optimisation: bool
     note: str
+    memory: Memory | None = None
+    sharded_memory: Memory | None = None
 
     def strategy(self, **kwargs: Any) -> Any:
         """A new strategy instance of this scheme with these settings (``kwargs`` add more)."""
@@ -248,29 +358,81 @@ def predict(
     ranks: int,
     tokens_per_rank: int = 0,
     sampled_rows: float | None = None,
+    shard: int | None = None,
+    optimizer: str = "adamw",
+    param_dtype: str = "float32",
+    outer_state: str = "host",
+    accelerator: str = "gpu",
 ) -> Candidate:
     """The predicted step of ``scheme`` at ``settings`` (its constructor arguments; missing ones
     take the strategy's defaults, except ``sync_period``, which periodic schemes need) for
     ``model`` (a :class:`~lightning_commstrats.cost_model.ModelShape`, or what :func:`model_shape`
-    takes).
+    takes), with the memory each rank holds (:func:`memory_per_rank`).
 
     ``tokens_per_rank`` (token ids in one rank's minibatch) and ``sampled_rows`` (rows exchanged per
     step, when measured) only matter for ``sampled_vocab``; see :func:`expected_sampled_rows`.
+    ``shard``: also the memory with ``shard="fsdp"`` over groups of this many ranks (the step time
+    stays the unsharded layout's); ``optimizer``, ``param_dtype``, ``outer_state``, ``accelerator``:
+    see :func:`memory_per_rank`.
 
     Raises:
         ValueError: for an unknown scheme, a setting the scheme does not take or an unsupported
-            value, a period in samples (the advisor counts steps), or ``sampled_vocab`` on a model
-            without a vocabulary.
+            value, a period in samples (the advisor counts steps), ``sampled_vocab`` on a model
+            without a vocabulary, or a memory option :func:`memory_per_rank` refuses.
     """
     _check_inputs(bandwidth_bits, compute_seconds, ranks)
     if not isinstance(model, ModelShape):
         model = model_shape(model)
+    settings = _checked_settings(scheme, settings)
+    found = _predict_step(
+        scheme, settings, model, bandwidth_bits, compute_seconds, ranks, tokens_per_rank, sampled_rows
+    )
+    options = {
+        "ranks": ranks,
+        "optimizer": optimizer,
+        "param_dtype": param_dtype,
+        "outer_state": outer_state,
+        "accelerator": accelerator,
+    }
+    memory = memory_per_rank(scheme, settings, model, **options)
+    if shard is not None:
+        _check_shard(shard, ranks)
+    sharded = None
+    if shard is not None and scheme in SHARDABLE:
+        sharded = memory_per_rank(scheme, settings, model, shard=shard, **options)
+    return replace(found, memory=memory, sharded_memory=sharded)
+
+
+def _checked_settings(scheme: str, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    if scheme in OUT_OF_SCOPE:
+        raise ValueError(f"the advisor does not predict {scheme!r}: {OUT_OF_SCOPE[scheme]}")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not known to the advisor; choose one of {SCHEMES}")
     settings = dict(settings or {})
     unknown = sorted(set(settings) - set(SETTINGS[scheme]))
     if unknown:
         raise ValueError(f"settings {unknown} are not read by the advisor for {scheme}; it reads {SETTINGS[scheme]}")
+    return settings
+
+
+def _check_shard(shard: Any, ranks: int) -> None:
+    if isinstance(shard, bool) or not isinstance(shard, int) or not 1 <= shard <= ranks or ranks % shard:
+        raise ValueError(
+            f"shard must be an int in [1, ranks={ranks}] that divides the ranks (the ranks a replica is sharded"
+            f" over), got {shard!r}"
+        )
+
+
+def _predict_step(
+    scheme: str,
+    settings: dict[str, Any],
+    model: ModelShape,
+    bandwidth_bits: float,
+    compute_seconds: float,
+    ranks: int,
+    tokens_per_rank: int,
+    sampled_rows: float | None,
+) -> Candidate:
     n, bw = ranks, bandwidth_bits
     small = _int_setting(settings, "small_tensor_numel", 1024)
     if small < 0:
@@ -287,6 +449,16 @@ def predict(
         wire_s = cost_model.seconds(nbytes, bw)
         note = f"{bits}-bit gradients with error feedback (a warm start in fp32 helps): quality must be checked"
         return Candidate(scheme, settings, wire_s, compute_seconds + wire_s, nbytes, bits < 32, note)
+    if scheme == "onebit_adam":  # past its fp32 warm-up: the momentum travels as onebit_sgd's gradients do
+        bits = _int_setting(settings, "num_quantization_bits", 1, EXCHANGE_BITS)
+        freeze = _int_setting(settings, "freeze_step", 400)
+        nbytes = cost_model.exchange_bytes(model.shapes, n, bits, small_tensor_numel=small)
+        wire_s = cost_model.seconds(nbytes, bw)
+        note = (
+            f"Adam's variance frozen after {freeze} fp32 steps, then {bits}-bit momentum with error feedback"
+            " (Adam or AdamW only): quality must be checked"
+        )
+        return Candidate(scheme, settings, wire_s, compute_seconds + wire_s, nbytes, True, note)
     if scheme == "sampled_vocab":
         return _sampled_vocab(settings, model, bw, compute_seconds, n, tokens_per_rank, sampled_rows)
     return _periodic(scheme, settings, model, bw, compute_seconds, n, small)
@@ -335,9 +507,23 @@ def _sampled_vocab(
     return Candidate("sampled_vocab", settings, wire_s, compute + wire_s, nbytes, True, note)
 
 
-def _periodic(
-    scheme: str, settings: dict[str, Any], model: ModelShape, bw: float, compute: float, n: int, small: int
-) -> Candidate:
+@dataclass(frozen=True)
+class _Schedule:
+    """A periodic scheme's settings with the strategy's defaults filled in."""
+
+    period: int
+    bits: int
+    by_rows: bool
+    fragments: int
+    delay: int
+    keep_local_progress: bool
+    sparse: TopKCodec | None  # sparseloco's codec
+    small: int
+
+
+def _schedule(scheme: str, settings: Mapping[str, Any], tensors: int) -> _Schedule:
+    """``settings`` of a periodic scheme with the strategy's defaults, checked as the strategy checks
+    them; ``tensors``: the model's parameter tensors (fragments are runs of them)."""
     if "sync_period" not in settings:
         raise ValueError(f"settings: {scheme} needs sync_period (in optimizer steps)")
     period = _int_setting(settings, "sync_period", 0)
@@ -346,31 +532,67 @@ def _periodic(
     unit = settings.get("sync_period_unit", "steps")
     if unit != "steps":
         raise ValueError(f"settings: the advisor counts periods in optimizer steps; sync_period_unit={unit!r}")
-    default_bits = 4 if scheme == "streaming_diloco" else 32
-    bits = _int_setting(settings, "pseudo_grad_bits", default_bits, PSEUDO_GRAD_BITS)
+    small = _int_setting(settings, "small_tensor_numel", 1024)
+    default_bits = {"streaming_diloco": 4, "sparseloco": 2}.get(scheme, 32)
+    allowed = SPARSE_VALUE_BITS if scheme == "sparseloco" else PSEUDO_GRAD_BITS
+    bits = _int_setting(settings, "pseudo_grad_bits", default_bits, allowed)
     scales = settings.get("pseudo_grad_scales", "rows")
     if scales not in ("rows", "columns"):
         raise ValueError(f"settings: pseudo_grad_scales={scales!r} is not supported; choose one of ('rows', 'columns')")
-    by_rows = scales == "rows"
-    fragments, delay = 1, 0
-    if scheme == "streaming_diloco":
-        fragments = _int_setting(settings, "num_fragments", STREAMING_FRAGMENTS)
-        delay = _int_setting(settings, "fragment_sync_delay", 5)
-        if not 1 <= fragments <= min(period, len(model.shapes)):
+    fragments, delay, keep, sparse = 1, 0, False, None
+    if scheme in ("streaming_diloco", "sparseloco"):
+        streaming = scheme == "streaming_diloco"
+        fragments = _int_setting(settings, "num_fragments", STREAMING_FRAGMENTS if streaming else 1)
+        most = 5 if streaming else 1  # the strategies' default delays (or less where the period allows less)
+        delay = _int_setting(settings, "fragment_sync_delay", default_delay(period, fragments, most=most))
+        keep = settings.get("keep_local_progress", not streaming)
+        if not isinstance(keep, bool):
+            raise ValueError(f"settings: keep_local_progress must be True or False, got {keep!r}")
+        if not 1 <= fragments <= min(period, tensors):
             raise ValueError(
                 f"settings: num_fragments={fragments} must be in [1, min(sync_period, parameter tensors)]"
-                f" = [1, {min(period, len(model.shapes))}]"
+                f" = [1, {min(period, tensors)}]"
             )
         if delay < 0 or (delay and delay * fragments >= period):
             raise ValueError(
                 f"settings: fragment_sync_delay={delay} must be >= 0 and < sync_period / num_fragments"
                 f" = {period}/{fragments}"
             )
+        if not streaming:
+            chunk = _int_setting(settings, "topk_chunk", 4096)
+            kept = _int_setting(settings, "topk_per_chunk", 64)
+            if chunk < 2 or not 1 <= kept <= chunk:
+                raise ValueError(
+                    f"settings: topk_chunk={chunk} must be >= 2 and topk_per_chunk={kept} in [1, topk_chunk]"
+                )
+            sparse = TopKCodec(chunk, kept, bits)
+    return _Schedule(period, bits, scales == "rows", fragments, delay, keep, sparse, small)
+
+
+def sparse_exchange_bytes(shapes: Sequence[tuple[int, ...]], n: int, codec: TopKCodec, small_tensor_numel: int) -> int:
+    """Bytes one rank sends in one sparse averaging (``sparseloco``'s exchange): every tensor of more
+    than ``small_tensor_numel`` values in chunks of ``codec.chunk`` (the last one of each tensor
+    padded), one payload per rank all-gathered; the rest in an fp32 ring all-reduce."""
+    sizes = [math.prod(s) for s in shapes]
+    chunks = sum(-(-k // codec.chunk) for k in sizes if k > small_tensor_numel)
+    dense = sum(k for k in sizes if k <= small_tensor_numel)
+    payload = codec.payload_bytes(chunks) if chunks else 0
+    return wire.all_gather_bytes(payload, 1, n) + wire.all_reduce_bytes(dense, 4, n)
+
+
+def _periodic(
+    scheme: str, settings: dict[str, Any], model: ModelShape, bw: float, compute: float, n: int, small: int
+) -> Candidate:
+    sched = _schedule(scheme, settings, len(model.shapes))
+    period, bits, fragments, delay = sched.period, sched.bits, sched.fragments, sched.delay
     bounds = fragment_bounds([math.prod(s) for s in model.shapes], fragments)
-    per_sync = [
-        cost_model.exchange_bytes(model.shapes[i0:i1], n, bits, by_rows=by_rows, small_tensor_numel=small)
-        for i0, i1 in bounds
-    ]
+    if sched.sparse is not None:
+        per_sync = [sparse_exchange_bytes(model.shapes[i0:i1], n, sched.sparse, small) for i0, i1 in bounds]
+    else:
+        per_sync = [
+            cost_model.exchange_bytes(model.shapes[i0:i1], n, bits, by_rows=sched.by_rows, small_tensor_numel=small)
+            for i0, i1 in bounds
+        ]
     wire_s = math.fsum(cost_model.seconds(b, bw) for b in per_sync) / period
     # a fragment's exchange runs behind `delay` inner steps; only what is left of it stalls training
     stall = math.fsum(max(0.0, cost_model.seconds(b, bw) - delay * compute) for b in per_sync) / period
@@ -378,16 +600,231 @@ def _periodic(
         what = "block momentum on the averaged model"
     elif scheme == "diloco":
         what = "an outer Nesterov step"
-    elif scheme == "streaming_diloco":
-        what = f"{fragments} fragments, each exchange behind {delay} inner steps"
+    elif scheme in ("streaming_diloco", "sparseloco"):
+        plural = "s" if fragments > 1 else ""
+        what = f"{fragments} fragment{plural}, each exchange behind {delay} inner step{'s' if delay != 1 else ''}"
         if stall > 0:
             what += f" (not all hidden: {stall * period:.3g} s of stall a period)"
     else:
         what = "the models averaged" + (" (MPI only)" if scheme == "local_sgd" else "")
     note = f"{period} local steps between syncs, {what}"
-    note += f", {bits}-bit pseudo-gradients" if bits < 32 else ""
+    if sched.sparse is not None:
+        codec = sched.sparse
+        note += f", top {codec.k} of {codec.chunk} values in {bits} bits with error feedback"
+    elif bits < 32:
+        note += f", {bits}-bit pseudo-gradients"
     note += ": changes the optimisation, quality must be checked"
     return Candidate(scheme, settings, wire_s, compute + stall, sum(per_sync) / period, True, note)
+
+
+# ---------------------------------------------------------------------------------- memory
+
+
+def memory_per_rank(
+    scheme: str,
+    settings: Mapping[str, Any] | None,
+    model: ModelShape | Any,
+    *,
+    ranks: int,
+    shard: int = 1,
+    optimizer: str = "adamw",
+    param_dtype: str = "float32",
+    outer_state: str = "host",
+    accelerator: str = "gpu",
+) -> Memory:
+    """The bytes one rank holds between optimizer steps under ``scheme`` at ``settings``, as the
+    strategies and ``torch.optim`` allocate them (read from their code; ``tests/test_advisor.py``
+    checks it against the tensors real strategies hold on two ranks).
+
+    Every rank holds its parameters, their gradients and the inner optimizer's state (``optimizer``:
+    ``"adamw"`` and ``"adam"`` two buffers of the parameters' size and a 4-byte step count per tensor,
+    ``"sgd_momentum"`` one buffer, ``"sgd"`` none). The scheme's own state (with ``ranks > 1``):
+
+    - ``allreduce``: its fused gradient buckets, kept from step to step (one copy of the gradients);
+    - ``onebit_sgd`` (and ``sampled_vocab`` for the tensors outside the vocabulary): below 32 bits, the
+      error-feedback residuals in float32, stage 1 the size of every quantized matrix, stage 2 the
+      rank's stripe of it (a ``1/ranks`` share; rank 0's, the largest, is counted), plus the buckets
+      of the tensors sent in full precision; at 32 bits the buckets of every gradient;
+    - ``onebit_adam``: as ``onebit_sgd`` (past the freeze its momentum travels as ``onebit_sgd``'s
+      gradients do), and the gradient buckets of its fp32 warm-up, which stay after the freeze;
+    - ``sampled_vocab``: also a flag per word, the frequent words' ids, the last step's row ids (at
+      most 8 bytes a word) and,
+      with ``error_feedback``, the unsent rows (the vocabulary matrices' size);
+    - the periodic schemes: the global model in float32 and the outer optimizer's state (``bmuf``'s
+      block momentum, ``diloco`` and ``streaming_diloco``'s Nesterov momentum, none for
+      ``model_averaging``, ``local_sgd`` and ``sparseloco``), at ``outer_state`` (``"host"``: pinned
+      host memory on a GPU run; ``"device"``); below 32 bits the quantization residuals as above
+      (stripes of the pseudo-gradient's rows), or ``sparseloco``'s error-feedback buffer (the synced
+      tensors in float32, each padded to whole chunks where it is made, on the device); with a
+      ``fragment_sync_delay``, the exchange in flight on the device for that many steps of every
+      period: the largest fragment's pseudo-gradient, and its local weights at the launch with
+      ``keep_local_progress``. The in-flight bytes are held only between an exchange's launch and
+      its landing; they are counted here because that is the peak between steps.
+
+    ``shard`` > 1 (``shard="fsdp"`` with ``group_size=shard``): every tensor is cut along its first
+    dimension over the ``shard`` ranks of a group (rank 0's shard, the largest, counted); the scheme
+    state is per local shard, and the quantization residuals' stripes are cut over the
+    ``ranks / shard`` groups that exchange (none with a single group: nothing is exchanged).
+
+    Not counted: module buffers, activations, FSDP2's gathered units and unsharded gradients during
+    forward and backward, the transient buffers of a sync (flat copies of a fragment, the pseudo-gradient
+    being made, the codec's scratch), the local weights set aside while validating a periodic scheme on
+    the global model, and the allocator's slack.
+
+    Args:
+        scheme, settings, model: as :func:`predict`.
+        ranks: the number of ranks.
+        shard: the ranks a replica is sharded over (1: every rank holds the whole model).
+        optimizer: the inner optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd_momentum"``, ``"sgd"``.
+        param_dtype: the parameters' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); gradients and
+            the inner optimizer's state take it; the scheme state the strategies keep in float32 stays so.
+        outer_state: where the periodic schemes keep their global copy, outer state and residuals
+            (the strategies' ``outer_state``): ``"host"`` (default) or ``"device"``.
+        accelerator: ``"gpu"`` (default: the training device is a GPU) or ``"cpu"`` (everything is
+            host memory).
+
+    Raises:
+        ValueError: naming the argument: an unknown scheme or setting, ``shard`` that does not divide
+            ``ranks``, ``shard > 1`` for a scheme that does not run sharded, an unknown optimizer,
+            dtype, ``outer_state`` or accelerator.
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    _check_shard(shard, ranks)
+    if optimizer not in INNER_OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {tuple(INNER_OPTIMIZERS)}")
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype={param_dtype!r} is not supported; choose one of {tuple(PARAM_DTYPES)}")
+    if outer_state not in OUTER_STATES:
+        raise ValueError(f"outer_state={outer_state!r} is not supported; choose one of {OUTER_STATES}")
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {ACCELERATORS}")
+    if not isinstance(model, ModelShape):
+        model = model_shape(model)
+    settings = _checked_settings(scheme, settings)
+    if shard > 1 and scheme not in SHARDABLE:
+        raise ValueError(f"shard={shard}: {scheme} does not run sharded; the schemes that do: {SHARDABLE}")
+    if scheme == "onebit_adam" and optimizer not in ("adam", "adamw"):
+        raise ValueError(f"optimizer={optimizer!r}: onebit_adam continues the user's Adam or AdamW")
+    width = PARAM_DTYPES[param_dtype]
+    local = [_local_shape(s, shard) for s in model.shapes]
+    numel = sum(math.prod(s) for s in local)
+    buffers, counts_steps = INNER_OPTIMIZERS[optimizer]
+    params = numel * width
+    inner = buffers * params + (4 * len(local) if counts_steps else 0)
+    replicas = ranks // shard
+    if scheme in PERIODIC:
+        parts = _periodic_state(scheme, settings, local, replicas, outer_state, accelerator)
+    elif ranks == 1:  # a one-rank run exchanges nothing and keeps nothing for it
+        parts = []
+    else:
+        parts = _gradient_state(scheme, settings, model, local, replicas, width)
+    if accelerator == "cpu":
+        parts = [(what, nbytes, "host") for what, nbytes, _ in parts]
+    where = "host" if accelerator == "cpu" else "device"
+    return Memory(params, params, inner, tuple(p for p in parts if p[1]), where, shard)
+
+
+def _local_shape(shape: tuple[int, ...], shard: int) -> tuple[int, ...]:
+    """Rank 0's FSDP2 shard of a tensor of ``shape``: its first dimension cut in ``shard`` chunks."""
+    if shard == 1 or not shape:
+        return tuple(shape)
+    return (-(-shape[0] // shard), *shape[1:])
+
+
+def _stripe_numel(shape: tuple[int, ...], ranks: int, by_rows: bool) -> int:
+    """Values of rank 0's stripe of a matrix in the two-stage quantized exchange over ``ranks``."""
+    lay = MatrixLayout.of(torch.Size(shape), ranks, by_rows)
+    c0, c1 = lay.stripes[0]
+    return (c1 - c0) * lay.rows
+
+
+def _residuals(shapes: Sequence[tuple[int, ...]], ranks: int, small: int, by_rows: bool) -> list[tuple[str, int]]:
+    """The two stages' error-feedback residuals (float32) of the matrices a quantized exchange sends."""
+    quantized = [s for s in shapes if len(s) >= 2 and math.prod(s) > small]
+    return [
+        ("error-feedback residuals, stage 1", 4 * sum(math.prod(s) for s in quantized)),
+        (
+            "error-feedback residuals, stage 2 (this rank's stripe)",
+            4 * sum(_stripe_numel(s, ranks, by_rows) for s in quantized),
+        ),
+    ]
+
+
+def _gradient_state(
+    scheme: str, settings: Mapping[str, Any], model: ModelShape, local: list[tuple[int, ...]], replicas: int, width: int
+) -> list[tuple[str, int, str]]:
+    numel = sum(math.prod(s) for s in local)
+    if scheme == "allreduce":
+        return [("gradient buckets kept between steps", width * numel, "device")]
+    if scheme == "sampled_vocab":
+        v, vw = model.vocab_size, model.vocab_width
+        if not v or not vw:
+            raise ValueError("sampled_vocab needs the model's vocab_size and vocab_width (no vocabulary is known)")
+        if _int_setting(settings, "num_quantization_bits", 32) != 32:
+            raise ValueError("settings: the advisor predicts sampled_vocab with num_quantization_bits=32 only")
+        parts = [
+            ("buckets of the tensors outside the vocabulary", width * (numel - v * vw), "device"),
+            ("a flag per word of the vocabulary", v + 1, "device"),
+            ("the frequent words' ids", 8 * resolve_count(settings.get("alpha", 2000), v, "alpha"), "device"),
+            ("the last step's row ids (at most)", 8 * v, "device"),
+        ]
+        if settings.get("error_feedback", False):
+            parts.append(("unsent vocabulary rows (error feedback)", width * v * vw, "device"))
+        return parts
+    parts = []
+    if scheme == "onebit_adam":  # the fp32 warm-up's gradient buckets stay after the freeze
+        parts.append(("gradient buckets of the fp32 warm-up, still kept", width * numel, "device"))
+    if replicas == 1:  # one group: the exchange across groups has no one to exchange with
+        return parts
+    bits = _int_setting(settings, "num_quantization_bits", 1, EXCHANGE_BITS)
+    small = _int_setting(settings, "small_tensor_numel", 1024)
+    full = [s for s in local if bits == 32 or not (len(s) >= 2 and math.prod(s) > small)]
+    parts.append(("buckets of the tensors sent in full precision", width * sum(math.prod(s) for s in full), "device"))
+    if bits < 32:
+        parts += [(what, nbytes, "device") for what, nbytes in _residuals(local, replicas, small, by_rows=False)]
+    return parts
+
+
+def _periodic_state(
+    scheme: str,
+    settings: Mapping[str, Any],
+    local: list[tuple[int, ...]],
+    replicas: int,
+    outer_state: str,
+    accelerator: str,
+) -> list[tuple[str, int, str]]:
+    sched = _schedule(scheme, settings, len(local))
+    home = "device" if outer_state == "device" else "host"
+    sizes = [math.prod(s) for s in local]
+    numel = sum(sizes)
+    parts = [("global model (float32)", 4 * numel, home)]
+    if scheme == "bmuf":
+        parts.append(("block momentum", 4 * numel, home))
+    elif scheme in ("diloco", "streaming_diloco"):
+        momentum = settings.get("outer_momentum", 0.9)
+        if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0 <= momentum < 1:
+            raise ValueError(f"settings: outer_momentum must be a number in [0, 1), got {momentum!r}")
+        if momentum > 0:
+            parts.append(("outer Nesterov momentum", 4 * numel, home))
+    bounds = fragment_bounds(sizes, sched.fragments)
+    if replicas > 1 and sched.sparse is not None:
+        chunk, small = sched.sparse.chunk, sched.small
+        # made on the device as one block per fragment, each tensor padded to whole chunks; kept there,
+        # or copied unpadded to pinned host memory on a GPU run with outer_state="host"
+        if home == "host" and accelerator == "gpu":
+            nbytes = 4 * sum(k for k in sizes if k > small)
+        else:
+            nbytes = 4 * sum(-(-k // chunk) * chunk for k in sizes if k > small)
+        parts.append(("error-feedback buffer (sparse exchange)", nbytes, home))
+    elif replicas > 1 and sched.bits < 32:
+        parts += [(what, nbytes, home) for what, nbytes in _residuals(local, replicas, sched.small, sched.by_rows)]
+    if sched.delay:
+        largest = 4 * max(sum(sizes[i0:i1]) for i0, i1 in bounds)
+        parts.append(("exchange in flight: the largest fragment's pseudo-gradient", largest, "device"))
+        if sched.keep_local_progress:
+            parts.append(("exchange in flight: its local weights at the launch", largest, "device"))
+    return parts
 
 
 # ---------------------------------------------------------------------------------- the grid
@@ -403,7 +840,7 @@ def default_settings(
     """
     if scheme == "allreduce":
         return [{}]
-    if scheme == "onebit_sgd":
+    if scheme in ("onebit_sgd", "onebit_adam"):
         return [{"num_quantization_bits": b} for b in ONEBIT_BITS]
     if scheme == "sampled_vocab":
         return [dict(SAMPLED_VOCAB)]
@@ -413,6 +850,8 @@ def default_settings(
         return [{"sync_period": h} for h in AVERAGING_PERIODS]
     if scheme == "diloco":
         return [{"sync_period": h, "pseudo_grad_bits": b} for h in DILOCO_PERIODS for b in DILOCO_BITS]
+    if scheme == "sparseloco":  # its defaults: top 64 of 4096 in 2 bits, the exchange behind one step
+        return [{"sync_period": h} for h in DILOCO_PERIODS]
     out = []
     fragments = min(STREAMING_FRAGMENTS, len(model.shapes))
     for h in DILOCO_PERIODS:
@@ -443,8 +882,13 @@ def advise(
     candidates: Iterable[str | tuple[str, Mapping[str, Any]]] | None = None,
     tokens_per_rank: int = 0,
     sampled_rows: float | None = None,
+    shard: int | None = None,
+    optimizer: str = "adamw",
+    param_dtype: str = "float32",
+    outer_state: str = "host",
+    accelerator: str = "gpu",
 ) -> list[Candidate]:
-    """Every candidate's predicted step, fastest first.
+    """Every candidate's predicted step, fastest first, with the memory each rank holds.
 
     Args:
         model_or_shapes: a ``torch.nn.Module``, a :class:`~lightning_commstrats.cost_model.ModelShape`
@@ -458,7 +902,8 @@ def advise(
         candidates: scheme names (each tried at :func:`default_settings`) and/or
             ``(scheme, settings)`` pairs; default: every scheme but ``local_sgd`` (MPI only, the
             bytes of ``model_averaging``), and ``sampled_vocab`` only with a vocabulary.
-        tokens_per_rank, sampled_rows: see :func:`predict`.
+        tokens_per_rank, sampled_rows, shard: see :func:`predict`.
+        optimizer, param_dtype, outer_state, accelerator: see :func:`memory_per_rank`.
 
     Raises:
         ValueError: naming the argument: ``bandwidth_bits <= 0``, ``compute_seconds < 0``,
@@ -468,12 +913,17 @@ def advise(
     model = model_shape(model_or_shapes, vocab_size, vocab_width)
     if candidates is None:
         vocab = model.vocab_size and model.vocab_width
-        candidates = [s for s in SCHEMES if s != "local_sgd" and (vocab or s != "sampled_vocab")]
+        adam = optimizer in ("adam", "adamw")  # onebit_adam continues the user's Adam
+        candidates = [
+            s for s in SCHEMES if s != "local_sgd" and (vocab or s != "sampled_vocab") and (adam or s != "onebit_adam")
+        ]
     elif isinstance(candidates, (str, bytes)):
         raise ValueError(f"candidates must be a list of scheme names or (scheme, settings) pairs, got {candidates!r}")
     pairs: list[tuple[str, Mapping[str, Any]]] = []
     for item in candidates:
         name, settings = (item, None) if isinstance(item, str) else tuple(item)
+        if name in OUT_OF_SCOPE:
+            raise ValueError(f"candidates: the advisor does not predict {name!r}: {OUT_OF_SCOPE[name]}")
         if name not in SCHEMES:
             raise ValueError(f"candidates: unknown scheme {name!r}; choose from {SCHEMES}")
         if settings is None:
@@ -483,21 +933,33 @@ def advise(
             pairs += [(name, s) for s in grid]
         else:
             pairs.append((name, settings))
-    kw = {"bandwidth_bits": bandwidth_bits, "compute_seconds": compute_seconds, "ranks": ranks}
+    kw = {
+        "bandwidth_bits": bandwidth_bits,
+        "compute_seconds": compute_seconds,
+        "ranks": ranks,
+        "shard": shard,
+        "optimizer": optimizer,
+        "param_dtype": param_dtype,
+        "outer_state": outer_state,
+        "accelerator": accelerator,
+    }
     out = [
         predict(name, s, model, tokens_per_rank=tokens_per_rank, sampled_rows=sampled_rows, **kw) for name, s in pairs
     ]
     return sorted(out, key=lambda c: (c.step_seconds, c.bytes_per_step, SCHEMES.index(c.scheme)))
 
 
-def departure(c: Candidate) -> tuple[int, int, int]:
+def departure(c: Candidate) -> tuple[int, int, float]:
     """How far a candidate's optimisation is from synchronous SGD, for :func:`recommend`: exact
     first, then per-step gradient approximations (more bits first), then periodic schemes
-    (shorter periods first, then more bits)."""
+    (shorter periods first, then more bits per synced value: ``sparseloco``'s bits count for the
+    share of values it sends, 2 x 64 / 4096 by default)."""
     if not c.changes_optimisation:
         return (0, 0, 0)
     if c.scheme in PERIODIC:
-        bits = c.settings.get("pseudo_grad_bits", 4 if c.scheme == "streaming_diloco" else 32)
+        bits: float = c.settings.get("pseudo_grad_bits", {"streaming_diloco": 4, "sparseloco": 2}.get(c.scheme, 32))
+        if c.scheme == "sparseloco":
+            bits *= c.settings.get("topk_per_chunk", 64) / c.settings.get("topk_chunk", 4096)
         return (2, c.settings["sync_period"], -bits)
     return (1, 0, -c.settings.get("num_quantization_bits", 32))
 
@@ -518,20 +980,33 @@ def recommend(candidates: Sequence[Candidate], tolerance: float = 0.05) -> Candi
     return min(close, key=lambda c: (departure(c), c.step_seconds))
 
 
-def table(candidates: Sequence[Candidate], top: int | None = None) -> str:
+def mib(nbytes: float) -> str:
+    """Bytes as MiB with 4 significant digits (``"0"`` for none)."""
+    return f"{nbytes / 2**20:.4g}" if nbytes else "0"
+
+
+def table(candidates: Sequence[Candidate], top: int | None = None, shard: int | None = None) -> str:
     """The candidates as a markdown table (in the given order), with each one's speed-up over
-    ``allreduce`` when ``allreduce`` is among them."""
+    ``allreduce`` when ``allreduce`` is among them, and the device and host memory per rank
+    (:attr:`Candidate.memory`); with ``shard``, also with ``shard="fsdp"`` over groups of that many
+    ranks (``n/a`` for a scheme that does not run sharded)."""
     ref = next((c.step_seconds for c in candidates if c.scheme == "allreduce"), None)
-    lines = [
-        "| # | scheme | settings | predicted s/step | comm s/step (wire) | MB/step/rank | vs allreduce | note |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    head = "| # | scheme | settings | predicted s/step | comm s/step (wire) | MB/step/rank | vs allreduce |"
+    head += " device MiB/rank | host MiB/rank |"
+    if shard:
+        head += f" device MiB/rank, shard {shard} | host MiB/rank, shard {shard} |"
+    head += " note |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, c in enumerate(candidates[:top] if top else candidates, 1):
         shown = ", ".join(f"{k}={v}" for k, v in c.settings.items() if k != "sync_period_unit") or "-"
         speedup = f"{ref / c.step_seconds:.2f}x" if ref and c.step_seconds > 0 else "-"
+        memory = f" {mib(c.memory.device)} | {mib(c.memory.host)} |" if c.memory else " - | - |"
+        if shard:
+            m = c.sharded_memory
+            memory += f" {mib(m.device)} | {mib(m.host)} |" if m else " n/a | n/a |"
         lines.append(
             f"| {i} | {c.scheme} | {shown} | {c.step_seconds:.4g} | {c.comm_seconds:.4g} |"
-            f" {c.bytes_per_step / 1e6:.4g} | {speedup} | {c.note} |"
+            f" {c.bytes_per_step / 1e6:.4g} | {speedup} |{memory} {c.note} |"
         )
     return "\n".join(lines)
 
@@ -643,6 +1118,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sampled-rows", type=float, help="measured rows sampled_vocab sends per step")
     parser.add_argument("--top", type=int, help="print only the fastest TOP candidates")
     parser.add_argument("--tolerance", type=float, default=0.05, help="see the recommendation (default 0.05)")
+    parser.add_argument(
+        "--shard",
+        type=int,
+        metavar="N",
+        help="also show the memory per rank with shard='fsdp' over groups of N ranks (group_size=N)",
+    )
+    parser.add_argument(
+        "--outer-state",
+        choices=OUTER_STATES,
+        default="host",
+        help="where the periodic schemes keep their global model and outer state on a GPU (default host)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=tuple(INNER_OPTIMIZERS),
+        help="the inner optimizer, for its state (default: the config's, else adamw)",
+    )
+    parser.add_argument(
+        "--param-dtype", choices=tuple(PARAM_DTYPES), default="float32", help="the parameters' dtype (default float32)"
+    )
+    parser.add_argument(
+        "--accelerator",
+        choices=ACCELERATORS,
+        default="gpu",
+        help="gpu (default): device and host memory apart; cpu: all of it host memory",
+    )
     args = parser.parse_args(argv)
     if not (args.bandwidth > 0 and math.isfinite(args.bandwidth)):
         parser.error(f"--bandwidth must be a finite rate > 0 Mbit/s, got {args.bandwidth:g}")
@@ -650,9 +1151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--compute-seconds must be a finite number of seconds >= 0, got {args.compute_seconds:g}")
     if args.ranks < 1:
         parser.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.shard is not None and not (1 <= args.shard <= args.ranks and args.ranks % args.shard == 0):
+        parser.error(
+            f"--shard must divide --ranks={args.ranks} (the ranks a replica is sharded over), got {args.shard}"
+        )
     try:
+        optimizer, source = args.optimizer or "adamw", "given" if args.optimizer else "assumed"
         if args.config:
             shape, tokens = model_from_config(args.config)
+            if not args.optimizer:
+                optimizer, source = optimizer_from_config(args.config), "from the config"
         else:
             shape, tokens = model_from_json(args.shapes, args.vocab_size, args.vocab_width), 0
         if args.tokens_per_rank is not None:
@@ -665,6 +1173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             candidates=args.schemes,
             tokens_per_rank=tokens,
             sampled_rows=args.sampled_rows,
+            shard=args.shard,
+            optimizer=optimizer,
+            param_dtype=args.param_dtype,
+            outer_state=args.outer_state,
+            accelerator=args.accelerator,
         )
         pick = recommend(found, args.tolerance)
     except (ValueError, OSError) as err:
@@ -678,12 +1191,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Recommended: **{pick.label}**, predicted {pick.step_seconds:.4g} s/step ({pick.note}). The fastest"
         f" within {args.tolerance:.0%} of the best that departs least from synchronous SGD.\n"
     )
-    print(table(found, args.top))
+    print(table(found, args.top, args.shard))
+    states = INNER_OPTIMIZERS[optimizer][0]
+    where = "a GPU" if args.accelerator == "gpu" else "the CPU (all of it host memory)"
+    sharded = (
+        f"; shard {args.shard}: shard='fsdp' with group_size={args.shard}, the time columns stay unsharded"
+        if args.shard
+        else ""
+    )
     print(
         "\nPredicted s/step = compute + the communication not hidden behind it (bytes / link rate; no latency,"
         " no codec compute). Periodic schemes' bytes are spread over their period."
+        f"\n\nMemory per rank, held between steps: the {args.param_dtype} model"
+        f" ({mib(shape.numel * PARAM_DTYPES[args.param_dtype])} MiB), its gradients, {optimizer}'s state"
+        f" ({states} buffer{'s' if states != 1 else ''} per parameter, {source}) and the scheme's own state,"
+        f" training on {where}, the periodic schemes' outer state on the {args.outer_state}{sharded}."
+        " Not counted: activations, buffers, a sync's transient copies."
     )
     return 0
+
+
+def optimizer_from_config(value: str) -> str:
+    """The inner optimizer a training config's model uses, as :func:`memory_per_rank` names it."""
+    import yaml
+
+    from lightning_commstrats.cli import resolve_config
+
+    config = yaml.safe_load(Path(resolve_config(value)).read_text()) or {}
+    model = config.get("model") or {}
+    name = model.get("optimizer", "adam")  # LanguageModel's default
+    if name == "sgd":
+        return "sgd_momentum" if model.get("momentum", 0) else "sgd"
+    return name
 
 
 if __name__ == "__main__":

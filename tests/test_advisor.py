@@ -242,3 +242,220 @@ def test_predictions_are_within_25_percent_of_the_race_measurements():
     assert {"ddp", "diloco"} <= schemes  # both a peer and one of ours are checked
     off = [(r["rate"], r["key"], round(r["ratio"], 3)) for r in records if not 0.75 <= r["ratio"] <= 1.25]
     assert not off, f"predicted / measured s/step outside 25%: {off}"
+
+
+# ---------------------------------------------------------------------------------- memory
+
+# The memory check's scenarios on two ranks (tests/multiprocess/memory_worker.py: a 30-50-33-4 MLP
+# under AdamW): the strategy's arguments, and the shard group size the advisor is told.
+MEMORY_STEPS = 8
+MLP_SHAPES = [(50, 30), (50,), (33, 50), (33,), (4, 33), (4,)]
+MEMORY_SCENARIOS = {
+    "allreduce": ("allreduce", {}, 1),
+    "onebit_sgd": ("onebit_sgd", {"num_quantization_bits": 1}, 1),
+    "onebit_adam": ("onebit_adam", {"freeze_step": 3, "num_quantization_bits": 2}, 1),
+    "diloco_32": ("diloco", {"sync_period": 2}, 1),
+    "diloco_4": ("diloco", {"sync_period": 2, "pseudo_grad_bits": 4}, 1),
+    "streaming_diloco": ("streaming_diloco", {"sync_period": 4, "num_fragments": 2, "fragment_sync_delay": 1}, 1),
+    "sparseloco": ("sparseloco", {"sync_period": 2, "topk_chunk": 512, "topk_per_chunk": 16}, 1),
+    "bmuf": ("bmuf", {"sync_period": 2, "sync_period_unit": "steps"}, 1),
+    "model_averaging_8": ("model_averaging", {"sync_period": 2, "sync_period_unit": "steps", "pseudo_grad_bits": 8}, 1),
+    # the first layer stands for a vocabulary of 50 words (its weight and bias: 31 values a word)
+    "sampled_vocab": (
+        "sampled_vocab",
+        {"vocab_params": ["net.0.weight", "net.0.bias"], "word_counts": list(range(50, 0, -1)), "alpha": 5, "beta": 5},
+        1,
+    ),
+    "diloco_4_fsdp": ("diloco", {"sync_period": 2, "pseudo_grad_bits": 4, "shard": "fsdp", "group_size": 2}, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def memory_runs():
+    from harness import run_ranks
+
+    spec = {
+        "steps": MEMORY_STEPS,
+        "scenarios": {name: [scheme, kwargs] for name, (scheme, kwargs, _) in MEMORY_SCENARIOS.items()},
+    }
+    return run_ranks(spec, 2, script=REPO / "tests" / "multiprocess" / "memory_worker.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(MEMORY_SCENARIOS))
+def test_predicted_memory_equals_what_real_strategies_hold_on_two_ranks(memory_runs, name):
+    scheme, kwargs, shard = MEMORY_SCENARIOS[name]
+    settings = {k: v for k, v in kwargs.items() if k in advisor.SETTINGS[scheme]}
+    rank0 = memory_runs[0][name]
+    # rank 0's shards: the first dimension cut in two, rank 0 holding the larger half
+    assert rank0["shapes"] == (MLP_SHAPES if shard == 1 else [(25, 30), (25,), (17, 50), (17,), (2, 33), (2,)])
+    model = ModelShape(tuple(MLP_SHAPES), 50, 31) if scheme == "sampled_vocab" else MLP_SHAPES
+    predicted = advisor.memory_per_rank(scheme, settings, model, ranks=2, shard=shard, accelerator="cpu")
+    steps = rank0["steps"]
+    assert len(steps) == MEMORY_STEPS
+    # each kind at its largest over the steps (onebit_adam drops the gradients after its own step)
+    most = {kind: max(s["stats"][kind] for s in steps) for kind in ("parameters", "gradients", "optimizer")}
+    assert most == {
+        "parameters": predicted.parameters,
+        "gradients": predicted.gradients,
+        "optimizer": predicted.optimizer,
+    }
+    # the scheme's state at its largest over the steps (an exchange in flight is held for its delay)
+    walked = max(s["walked"] for s in steps)
+    most = max(steps, key=lambda s: s["walked"])
+    if scheme == "sampled_vocab":  # the last step's row ids are counted at most (8 bytes a word): 10 rows here
+        assert walked == predicted.scheme_bytes() - 8 * 50 + 8 * 10, (name, most["what"], predicted.scheme)
+    else:
+        assert walked == predicted.scheme_bytes(), (name, most["what"], predicted.scheme)
+    # the package's own accounting counts the same bytes
+    assert max(s["stats"]["scheme"] for s in steps) == walked
+    assert predicted.device == 0 and predicted.host == predicted.total  # a CPU run: all host memory
+
+
+def test_predicted_memory_equals_the_committed_memory_benchmark_to_the_byte():
+    # benchmarks/results/memory: 4 ranks, Transformer LMs of 5M-50M parameters, six schemes, unsharded and
+    # shard="fsdp" in one group of 4 and two groups of 2, measured by memory_stats() at a sync step
+    import importlib.util
+    import json
+
+    from lightning_commstrats.models import LanguageModel
+
+    path = REPO / "benchmarks" / "memory.py"
+    spec = importlib.util.spec_from_file_location("memory_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = json.loads((REPO / "benchmarks" / "results" / "memory" / "results.json").read_text())["rows"]
+    shapes = {}
+    for size, (d_model, blocks, heads) in bench.SIZES.items():
+        with torch.device("meta"):
+            shapes[size] = advisor.model_shape(LanguageModel(**bench.model_args(d_model, blocks, heads)))
+    assert len(rows) == len(bench.SIZES) * len(bench.SCHEMES) * len(bench.LAYOUTS)
+    for row in rows:
+        scheme, settings = bench.SCHEMES[row["scheme"]]
+        shard = bench.LAYOUTS[row["layout"]].get("group_size", 1)
+        m = advisor.memory_per_rank(scheme, settings, shapes[row["size"]], ranks=4, shard=shard, accelerator="cpu")
+        predicted = {"parameters": m.parameters, "gradients": m.gradients, "optimizer": m.optimizer}
+        predicted["scheme"] = m.scheme_bytes()
+        assert predicted == row["bytes"], (row["size"], row["scheme"], row["layout"])
+
+
+def test_every_registered_scheme_is_advised_or_out_of_scope_with_a_reason():
+    from lightning_commstrats._registry import package_strategy_names
+
+    names = set(package_strategy_names())
+    missing = names - set(advisor.SCHEMES) - set(advisor.OUT_OF_SCOPE)
+    assert not missing, f"registered but neither advised nor in advisor.OUT_OF_SCOPE (with the reason): {missing}"
+    assert names == set(advisor.SCHEMES) | set(advisor.OUT_OF_SCOPE)
+    assert not set(advisor.SCHEMES) & set(advisor.OUT_OF_SCOPE)
+    assert all(len(reason) > 40 for reason in advisor.OUT_OF_SCOPE.values())
+    for name in advisor.OUT_OF_SCOPE:
+        with pytest.raises(ValueError, match=f"the advisor does not predict '{name}'"):
+            advisor.advise(SHAPES, bandwidth_bits=B, compute_seconds=0.1, ranks=N, candidates=[name])
+    # the schemes that run sharded are those whose strategy says so
+    from lightning_commstrats.strategies import STRATEGIES
+
+    shardable = {cls.strategy_name for cls in STRATEGIES if cls.supports_shard}
+    assert set(advisor.SHARDABLE) == shardable & set(advisor.SCHEMES)
+
+
+def test_memory_by_hand_on_a_gpu_host_and_device_outer_state_bf16_and_sgd():
+    # SHAPES: (1000, 64) and (256, 64) matrices, a bias of 64: 80448 values; 4 ranks
+    p = 80448
+    m = advisor.memory_per_rank("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}, SHAPES, ranks=4)
+    assert (m.parameters, m.gradients, m.optimizer) == (4 * p, 4 * p, 8 * p + 3 * 4)  # AdamW: 2 moments, 3 steps
+    # global model and Nesterov momentum in float32; residuals of the two matrices: stage 1 whole, stage 2
+    # rank 0's stripe of rows (250 of 1000, 64 of 256)
+    scheme = 4 * p + 4 * p + 4 * (64000 + 16384) + 4 * (250 * 64 + 64 * 64)
+    assert m.scheme_bytes("host") == scheme and m.scheme_bytes("device") == 0
+    assert (m.device, m.host) == (16 * p + 12, scheme)
+    on_device = advisor.memory_per_rank(
+        "diloco", {"sync_period": 8, "pseudo_grad_bits": 4}, SHAPES, ranks=4, outer_state="device"
+    )
+    assert (on_device.device, on_device.host) == (16 * p + 12 + scheme, 0)
+    # bf16 parameters under SGD without momentum: the scheme's float32 state does not shrink
+    bf16 = advisor.memory_per_rank(
+        "diloco", {"sync_period": 8, "pseudo_grad_bits": 4}, SHAPES, ranks=4, param_dtype="bfloat16", optimizer="sgd"
+    )
+    assert (bf16.parameters, bf16.optimizer, bf16.scheme_bytes()) == (2 * p, 0, scheme)
+    # sparseloco: the error feedback copied unpadded to the host; on the device it stays padded to whole
+    # chunks of 4096 (64000 -> 65536, 16384 exact); the exchange in flight (and the launch weights) on the device
+    sparse = advisor.memory_per_rank("sparseloco", {"sync_period": 8}, SHAPES, ranks=4)
+    assert sparse.scheme_bytes("host") == 4 * p + 4 * (64000 + 16384)
+    assert sparse.scheme_bytes("device") == 2 * 4 * p
+    kept = advisor.memory_per_rank("sparseloco", {"sync_period": 8}, SHAPES, ranks=4, outer_state="device")
+    assert kept.scheme_bytes("device") == 4 * p + 4 * (65536 + 16384) + 2 * 4 * p
+    # one rank: no exchange, nothing kept for it
+    assert advisor.memory_per_rank("onebit_sgd", {}, SHAPES, ranks=1).scheme == ()
+
+
+def test_shard_divides_the_model_state_and_the_stripes_follow_the_groups():
+    model = [(4096, 1024), (1024,), (1024, 4096)]
+    p = 2 * 4096 * 1024 + 1024
+    full = advisor.memory_per_rank("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}, model, ranks=8)
+    sharded = advisor.memory_per_rank("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}, model, ranks=8, shard=4)
+    assert sharded.parameters * 4 == full.parameters == 4 * p
+    assert sharded.optimizer == (full.optimizer - 12) // 4 + 12
+    # global model, momentum and stage-1 residuals a quarter; stage 2: a stripe over the 2 groups
+    # (1024 of 4096 rows local, half of them) rather than over 8 ranks (512 rows of 4096)
+    assert dict((w, b) for w, b, _ in sharded.scheme)["error-feedback residuals, stage 2 (this rank's stripe)"] == (
+        4 * (512 * 1024 + 128 * 4096)
+    )
+    with pytest.raises(ValueError, match="sampled_vocab does not run sharded"):
+        advisor.memory_per_rank("sampled_vocab", {}, ModelShape(tuple(model), 4096, 1024), ranks=8, shard=4)
+    with pytest.raises(ValueError, match="shard must be an int in"):
+        advisor.memory_per_rank("diloco", {"sync_period": 8}, model, ranks=8, shard=3)
+
+
+def test_sparseloco_bytes_by_hand():
+    # tests/multiprocess/test_sparse_ranks.py's run on 3 ranks: [16, 32] is 8 chunks of 64 values, [2, 16] one
+    # padded chunk; a chunk's payload 8 + 3 + 2 + 2 bytes; the ring all-gather sends the other two ranks'
+    settings = {"sync_period": 4, "topk_chunk": 64, "topk_per_chunk": 8, "small_tensor_numel": 16}
+    settings["fragment_sync_delay"] = 0
+    c = advisor.predict(
+        "sparseloco", settings, [(16, 32), (16,), (2, 16), (2,)], bandwidth_bits=B, compute_seconds=0.1, ranks=3
+    )
+    assert c.bytes_per_step == (2 * 9 * 15 + 2 * 2 * 6 * 4) / 4
+
+
+def test_the_command_prints_memory_per_rank_with_and_without_shard(tmp_path, capsys):
+    path = tmp_path / "shapes.json"
+    path.write_text('{"shapes": [[1000, 64], [64], [256, 64]], "vocab_size": 1000, "vocab_width": 64}')
+    base = ["--shapes", str(path), "--bandwidth", "100", "--compute-seconds", "0.01", "--ranks", "4"]
+    schemes = ["--schemes", "allreduce", "sampled_vocab", "--sampled-rows", "100"]
+    assert advisor.main([*base, *schemes, "--shard", "2"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| # |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[7:11] == [
+        "device MiB/rank",
+        "host MiB/rank",
+        "device MiB/rank, shard 2",
+        "host MiB/rank, shard 2",
+    ]
+    lines = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.strip("|").split("|")] for line in lines}
+    p = 80448
+    # allreduce: parameters, gradients, AdamW's two moments and 3 step counts, and its kept gradient buckets
+    assert rows["allreduce"][7:11] == [advisor.mib(20 * p + 12), "0", advisor.mib(10 * p + 12), "0"]
+    assert rows["sampled_vocab"][9:11] == ["n/a", "n/a"]  # it does not run sharded
+    assert "adamw's state (2 buffers per parameter, assumed)" in out
+    assert "shard 2: shard='fsdp' with group_size=2, the time columns stay unsharded" in out
+    # the outer state on the device moves a periodic scheme's state off the host
+    diloco = ["--schemes", "diloco", "--top", "1"]
+    for where in ("host", "device"):
+        assert advisor.main([*base, *diloco, "--outer-state", where, "--optimizer", "sgd"]) == 0
+        row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| 1 |"))
+        host = row.strip("|").split("|")[8].strip()
+        assert (host == "0") == (where == "device")
+    with pytest.raises(SystemExit):
+        advisor.main([*base, "--shard", "3"])
+    assert "--shard must divide --ranks=4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        advisor.main([*base, "--schemes", "expert_parallel"])
+    assert "the advisor does not predict 'expert_parallel'" in capsys.readouterr().err
+
+
+def test_the_inner_optimizer_comes_from_the_config():
+    assert advisor.optimizer_from_config("lstm_demo") == "adam"
+    assert advisor.optimizer_from_config("transformer_small") == "adamw"
+    assert advisor.optimizer_from_config("lstm_paper") == "sgd"  # momentum 0: no buffer

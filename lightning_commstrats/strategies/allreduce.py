@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
 from lightning_commstrats.compression.exchange import GradientCompression
-from lightning_commstrats.sharding import local
+from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT, CommStrategy
 
 
@@ -121,6 +121,14 @@ class AllReduceStrategy(CommStrategy):
         if compression is None or compression.bits == 32 or compression.distributed_after_unit != "samples":
             return False
         return not compression.quantizing(self.samples_per_worker * self.world_size, self.optimizer_steps)
+
+    @override
+    def scheme_tensors(self) -> list[Tensor]:
+        # a compressed exchange (onebit_sgd, onebit_adam, sampled_vocab, expert_parallel): its buckets and residuals
+        compression: GradientCompression | None = getattr(self, "compression", None)
+        exchange = None if compression is None else compression.exchange
+        held = [] if exchange is None else [exchange.fused, exchange.state_dict()]
+        return super().scheme_tensors() + tensors_in(held)
 
     def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:
         """Raise ``ValueError`` when a checkpoint's residuals do not fit this model and world."""

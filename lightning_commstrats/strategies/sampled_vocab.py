@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_commstrats.compression import most_frequent, random_rows, resolve_count
 from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.models.base import declared_vocabulary
+from lightning_commstrats.sharding import tensors_in
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
 
@@ -300,6 +301,10 @@ class SampledVocabStrategy(AllReduceStrategy):
         super().load_state_dict(state, rank_state)
         self.compression.bind(self.comm, self.bucket_cap_mb).load_state_dict(rank_state)
         self._residuals = dict(rank_state.get("vocab_residuals", {}))
+
+    @override
+    def scheme_tensors(self) -> list[Tensor]:
+        return super().scheme_tensors() + tensors_in([self._residuals, self._seen, self._alpha_ids, self._last_rows])
 
     @override
     def reset_state(self) -> None:
