@@ -168,6 +168,8 @@ class Memory:
         on_device: where ``parameters``, ``gradients`` and ``optimizer`` live: ``"device"`` (a GPU
             run) or ``"host"`` (a CPU run, where everything is host memory).
         shard: the ranks a replica is sharded over (1: every rank holds the whole model).
+        step_counts: the part of ``optimizer`` that is Adam's step count per tensor (4 bytes each):
+            torch keeps them in host memory unless the optimizer is ``capturable`` or ``fused``.
     """
 
     parameters: int
@@ -176,14 +178,15 @@ class Memory:
     scheme: tuple[tuple[str, int, str], ...]
     on_device: str = "device"
     shard: int = 1
+    step_counts: int = 0
 
     def scheme_bytes(self, where: str | None = None) -> int:
         """The scheme's state in bytes: all of it, or what lives at ``where`` (``"device"``, ``"host"``)."""
         return sum(b for _, b, w in self.scheme if where is None or w == where)
 
     def _at(self, where: str) -> int:
-        own = self.parameters + self.gradients + self.optimizer if self.on_device == where else 0
-        return own + self.scheme_bytes(where)
+        own = self.parameters + self.gradients + self.optimizer - self.step_counts if self.on_device == where else 0
+        return own + (self.step_counts if where == "host" else 0) + self.scheme_bytes(where)
 
     @property
     def device(self) -> int:
@@ -711,7 +714,8 @@ def memory_per_rank(
     numel = sum(math.prod(s) for s in local)
     buffers, counts_steps = INNER_OPTIMIZERS[optimizer]
     params = numel * width
-    inner = buffers * params + (4 * len(local) if counts_steps else 0)
+    counts = 4 * len(local) if counts_steps else 0
+    inner = buffers * params + counts
     replicas = ranks // shard
     if scheme in PERIODIC:
         parts = _periodic_state(scheme, settings, local, replicas, outer_state, accelerator)
@@ -722,7 +726,7 @@ def memory_per_rank(
     if accelerator == "cpu":
         parts = [(what, nbytes, "host") for what, nbytes, _ in parts]
     where = "host" if accelerator == "cpu" else "device"
-    return Memory(params, params, inner, tuple(p for p in parts if p[1]), where, shard)
+    return Memory(params, params, inner, tuple(p for p in parts if p[1]), where, shard, counts)
 
 
 def _local_shape(shape: tuple[int, ...], shard: int) -> tuple[int, ...]:
@@ -981,8 +985,11 @@ def recommend(candidates: Sequence[Candidate], tolerance: float = 0.05) -> Candi
 
 
 def mib(nbytes: float) -> str:
-    """Bytes as MiB with 4 significant digits (``"0"`` for none)."""
-    return f"{nbytes / 2**20:.4g}" if nbytes else "0"
+    """Bytes as MiB with 4 significant digits (``"0"`` for none, ``"<0.001"`` for a few bytes: Adam's
+    step counts on the host of a GPU run)."""
+    if not nbytes:
+        return "0"
+    return f"{nbytes / 2**20:.4g}" if nbytes >= 2**20 / 1000 else "<0.001"
 
 
 def table(candidates: Sequence[Candidate], top: int | None = None, shard: int | None = None) -> str:

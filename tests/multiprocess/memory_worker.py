@@ -1,8 +1,10 @@
 """One rank of the advisor's memory check (started by ``tests/harness.py``).
 
-Usage: ``memory_worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"scenarios": {name: [registry name, kwargs]}}``;
-each scenario trains a small MLP (AdamW) for ``steps`` optimizer steps on two ranks, and after every
-optimizer step this rank records the bytes its strategy holds, counted two ways:
+Usage: ``memory_worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"scenarios": {name: [registry name, kwargs]},
+"steps": N}`` and optionally ``"accelerator"`` (``"cpu"``, or ``"cuda"``: every rank on GPU 0, started as
+one rank per node, ``num_nodes=2``); each scenario trains a small MLP (AdamW) for ``steps`` optimizer
+steps on two ranks, and after every optimizer step this rank records the bytes its strategy holds, by
+device, counted two ways:
 
 - ``stats``: ``strategy.memory_stats()`` (the package's own accounting, by kind);
 - ``walked``: every tensor reachable from the strategy object (through the package's objects, dicts,
@@ -60,9 +62,9 @@ def _key(t: Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage().data_ptr()
 
 
-def walked_scheme_tensors(strategy: Any) -> dict[str, int]:
+def walked_scheme_tensors(strategy: Any) -> dict[str, tuple[str, int]]:
     """Every storage the strategy reaches that is not a parameter, gradient or inner optimizer state:
-    ``{path to the first reference found: bytes}``."""
+    ``{path to the first reference found: (device, bytes)}``."""
     found: dict[tuple[str, int], tuple[str, int]] = {}
     seen: set[int] = set()
 
@@ -73,7 +75,7 @@ def walked_scheme_tensors(strategy: Any) -> dict[str, int]:
         if isinstance(o, Tensor):
             t = local(o)
             if t.untyped_storage().nbytes():
-                found.setdefault(_key(t), (path, t.untyped_storage().nbytes()))
+                found.setdefault(_key(t), (path, (str(t.device), t.untyped_storage().nbytes())))
         elif isinstance(o, dict):
             for i, (k, v) in enumerate(list(o.items())):  # an optimizer's state is keyed by parameters
                 visit(v, f"{path}[{k!r}]" if isinstance(k, (str, int)) else f"{path}[#{i}]")
@@ -108,9 +110,22 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        stats = {kind: sum(by_device.values()) for kind, by_device in strategy.memory_stats().items()}
+        by_device = strategy.memory_stats()
+        stats = {kind: sum(held.values()) for kind, held in by_device.items()}
         walked = walked_scheme_tensors(strategy)
-        self.steps.append({"step": trainer.global_step, "stats": stats, "walked": sum(walked.values()), "what": walked})
+        walked_by_device: dict[str, int] = {}
+        for device, nbytes in walked.values():
+            walked_by_device[device] = walked_by_device.get(device, 0) + nbytes
+        self.steps.append(
+            {
+                "step": trainer.global_step,
+                "stats": stats,
+                "by_device": by_device,
+                "walked": sum(walked_by_device.values()),
+                "walked_by_device": walked_by_device,
+                "what": walked,
+            }
+        )
 
 
 def main() -> None:
@@ -123,9 +138,11 @@ def main() -> None:
         model = Shapes()
         strategy = L.pytorch.strategies.StrategyRegistry[scheme]["strategy"](**kwargs)
         record = Record()
+        cuda = spec.get("accelerator", "cpu") == "cuda"
         trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
+            accelerator=spec.get("accelerator", "cpu"),
+            devices=1 if cuda else 2,
+            num_nodes=2 if cuda else 1,
             strategy=strategy,
             max_steps=spec["steps"],
             logger=False,
