@@ -17,7 +17,9 @@ scheme composes with every codec:
   (:class:`~lightning_commstrats.compression.sparse.SparseAllGather`,
   SparseLoCo's exchange: the ``topk_per_chunk`` largest values of every chunk of ``topk_chunk``
   values in ``bits`` bits with their positions, all-gathered, and decayed error feedback), the rest
-  in fused fp32 all-reduces.
+  in fused fp32 all-reduces; with ``topk_form="published"`` the chunks are 2-D tiles of up to
+  ``topk_tile x topk_tile`` and the values go on a statistical grid with a per-tensor lookup, also
+  on one rank (:class:`~lightning_commstrats.compression.sparse_tiles.TiledSparseAllGather`).
 
 Its state is the rank-local error-feedback residuals, keyed by tensor name
 (:meth:`TensorExchange.state_dict`). No Lightning here.
@@ -36,6 +38,7 @@ from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
 from lightning_commstrats.compression.quantizers import check_codec, make_codec
 from lightning_commstrats.compression.sparse import SparseAllGather, TopKCodec, check_sparse_args
+from lightning_commstrats.compression.sparse_tiles import TiledSparseAllGather, check_tiles_args
 
 EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
 SCALES = ("columns", "rows")
@@ -145,6 +148,13 @@ class TensorExchange:
         topk_per_chunk: with ``codec="topk"``, values kept per chunk (SparseLoCo: 64).
         error_feedback_decay: with ``codec="topk"``, the decay of the error feedback (SparseLoCo:
             0.95); other codecs carry their residuals undecayed (1.0).
+        topk_form: with ``codec="topk"``, ``"chunks"`` (runs of ``topk_chunk`` consecutive values, the
+            sign-and-magnitude code; skipped on one rank) or ``"published"`` (SparseLoCo as published:
+            2-D tiles of up to ``topk_tile x topk_tile``, ``topk_per_chunk`` kept per tile, the
+            statistical quantizer; on one rank too; see
+            :mod:`~lightning_commstrats.compression.sparse_tiles`).
+        topk_tile: with ``topk_form="published"``, the largest side of a tile (64).
+        topk_sigmas: with ``topk_form="published"``, the quantizer's width in standard deviations (6).
         residual_home: where the error-feedback residuals are kept between calls: ``None`` (where
             they are made, the tensors' device) or the host (``torch.device("cpu")``: pinned memory
             on a CUDA run; each comes to the device only while its tensor is encoded).
@@ -166,13 +176,24 @@ class TensorExchange:
         topk_chunk: int = 4096,
         topk_per_chunk: int = 64,
         error_feedback_decay: float = 1.0,
+        topk_form: str = "chunks",
+        topk_tile: int = 64,
+        topk_sigmas: float = 6.0,
         residual_home: torch.device | None = None,
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
         check_codec(codec, bits)
+        check_tiles_args(
+            codec,
+            topk_form,
+            topk_tile,
+            topk_per_chunk,
+            topk_sigmas,
+            names=("codec", "topk_form", "topk_tile", "topk_per_chunk", "topk_sigmas"),
+        )
         check_sparse_args(
             codec,
-            topk_chunk,
+            topk_tile * topk_tile if topk_form == "published" else topk_chunk,
             topk_per_chunk,
             bits,
             error_feedback_decay,
@@ -188,7 +209,17 @@ class TensorExchange:
         self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20), keep_buffers=keep_buffers, average=average)
         self.codec = codec
         self.quantized: QuantizedAllReduce | SparseAllGather | None = None
-        if codec == "topk":
+        if codec == "topk" and topk_form == "published":
+            self.quantized = TiledSparseAllGather(
+                comm,
+                tile=topk_tile,
+                k=topk_per_chunk,
+                bits=bits,
+                sigmas=topk_sigmas,
+                tag=f"{tag}_sparse",
+                decay=error_feedback_decay,
+            )
+        elif codec == "topk":
             self.quantized = SparseAllGather(
                 TopKCodec(topk_chunk, topk_per_chunk, bits), comm, tag=f"{tag}_sparse", decay=error_feedback_decay
             )
@@ -220,7 +251,10 @@ class TensorExchange:
         """
         if not named:
             return []
-        if self.comm.world_size == 1:  # the average is the tensor itself: only its finiteness to tell
+        # on one rank the average is the tensor itself: only its finiteness to tell. Not for the published
+        # sparse form (a quorum of one replica too): its top-k and error feedback do not depend on the ranks
+        compresses = quantize and isinstance(self.quantized, SparseAllGather) and self.quantized.compresses_alone
+        if self.comm.world_size == 1 and not compresses:
             finite = torch.stack([torch.isfinite(t).all() for t in named.values()]).tolist()
             return [n for n, ok in zip(named, finite, strict=True) if not ok]
         large = {n: t for n, t in named.items() if quantize and self.quantizes(t)}
@@ -274,6 +308,11 @@ class TensorExchange:
         if any(state.get(kind) for kind in ("residuals", "residuals2")) and (state.get("codec") == "topk") != sparse:
             saved = "sparse (codec='topk')" if state.get("codec") == "topk" else "dense (a line codec)"
             raise ValueError(f"its residuals are {saved}, this run's codec is {self.codec!r}")
+        form = state.get("form", "chunks")  # saved before there were two forms: chunks
+        if state.get("residuals") and sparse and form != self.quantized.form:
+            raise ValueError(
+                f"its sparse error feedback is of topk_form={form!r}, this run's topk_form is {self.quantized.form!r}"
+            )
         for kind in ("residuals", "residuals2"):
             for name, res in state.get(kind, {}).items():
                 if name not in shapes:

@@ -288,6 +288,9 @@ class SparseAllGather:
         residuals: the error-feedback buffer per name (this rank's, the tensor's shape).
     """
 
+    form = "chunks"  # the cut (``topk_form``): runs of ``chunk`` consecutive values
+    compresses_alone = False  # TensorExchange skips it on one rank (the average is the tensor itself)
+
     def __init__(
         self, codec: TopKCodec, comm: Communicator, tag: str = "weights_sparse", *, decay: float = 1.0
     ) -> None:
@@ -378,7 +381,7 @@ class SparseAllGather:
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
         """The error-feedback buffers per tensor name (rank-local)."""
-        return {"residuals": dict(self.residuals), "residuals2": {}, "codec": "topk"}
+        return {"residuals": dict(self.residuals), "residuals2": {}, "codec": "topk", "form": self.form}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
         self.residuals = {n: park(r.float(), self.home) for n, r in state.get("residuals", {}).items()}

@@ -48,6 +48,7 @@ from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import SCALES, TensorExchange, check_exchange_args
 from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.compression.sparse import check_sparse_args
+from lightning_commstrats.compression.sparse_tiles import check_tiles_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, import_torchft
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, check_outer_state, resolve_outer_optimizer
 from lightning_commstrats.replicas import ReplicaGroup, flat_buffers, load_buffers
@@ -142,6 +143,16 @@ class PeriodicSyncStrategy(CommStrategy):
         topk_per_chunk: with ``pseudo_grad_codec="topk"``, values kept per chunk (default 64: 1.6%).
         error_feedback_decay: with ``pseudo_grad_codec="topk"``, ``beta`` in ``e = beta * e + G``
             (default 1.0; SparseLoCo's 0.95, with which the buffer takes the place of outer momentum).
+        topk_form: with ``pseudo_grad_codec="topk"``, ``"chunks"`` (default: runs of ``topk_chunk``
+            consecutive values, sign-and-magnitude codes; a quorum of one replica sends nothing and
+            skips the error feedback) or ``"published"`` (SparseLoCo as published: 2-D tiles of up to
+            ``topk_tile x topk_tile`` values, ``topk_per_chunk`` kept per tile, a statistical quantizer
+            with a per-tensor lookup, the same top-k and error feedback on any number of replicas);
+            see :mod:`lightning_commstrats.compression.sparse_tiles`.
+        topk_tile: with ``topk_form="published"``, the largest side of a tile (default 64; a side is
+            the largest divisor of its dimension not above it).
+        topk_sigmas: with ``topk_form="published"``, the quantizer's width in standard deviations
+            (default 6: 4 bins of 1.5 at 2 bits).
         small_tensor_numel: tensors with at most this many values (and 1-D ones) go in fp32.
         half_dtype: the 16-bit format, ``"float16"`` or ``"bfloat16"``.
         num_fragments: parameters in this many fragments (contiguous in registration order,
@@ -197,6 +208,9 @@ class PeriodicSyncStrategy(CommStrategy):
         topk_chunk: int = 4096,
         topk_per_chunk: int = 64,
         error_feedback_decay: float = 1.0,
+        topk_form: str = "chunks",
+        topk_tile: int = 64,
+        topk_sigmas: float = 6.0,
         small_tensor_numel: int = 1024,
         half_dtype: str = "float16",
         num_fragments: int = 1,
@@ -232,9 +246,17 @@ class PeriodicSyncStrategy(CommStrategy):
         if pseudo_grad_scales not in SCALES:
             raise ValueError(f"pseudo_grad_scales={pseudo_grad_scales!r} is not supported; choose one of {SCALES}")
         check_codec(pseudo_grad_codec, pseudo_grad_bits, name="pseudo_grad_codec", bits_name="pseudo_grad_bits")
+        check_tiles_args(
+            pseudo_grad_codec,
+            topk_form,
+            topk_tile,
+            topk_per_chunk,
+            topk_sigmas,
+            names=("pseudo_grad_codec", "topk_form", "topk_tile", "topk_per_chunk", "topk_sigmas"),
+        )
         check_sparse_args(
             pseudo_grad_codec,
-            topk_chunk,
+            topk_tile * topk_tile if topk_form == "published" else topk_chunk,
             topk_per_chunk,
             pseudo_grad_bits,
             error_feedback_decay,
@@ -283,6 +305,9 @@ class PeriodicSyncStrategy(CommStrategy):
         self.topk_chunk = topk_chunk
         self.topk_per_chunk = topk_per_chunk
         self.error_feedback_decay = error_feedback_decay
+        self.topk_form = topk_form
+        self.topk_tile = topk_tile
+        self.topk_sigmas = topk_sigmas
         self.small_tensor_numel = small_tensor_numel
         self.half_dtype = half_dtype
         self.num_fragments = num_fragments
@@ -354,6 +379,9 @@ class PeriodicSyncStrategy(CommStrategy):
             topk_chunk=self.topk_chunk,
             topk_per_chunk=self.topk_per_chunk,
             error_feedback_decay=self.error_feedback_decay,
+            topk_form=self.topk_form,
+            topk_tile=self.topk_tile,
+            topk_sigmas=self.topk_sigmas,
             bucket_cap_mb=self.bucket_cap_mb,
             keep_buffers=False,  # once per period, a whole fragment: not worth a standing copy
             # outer_state="host" on CUDA: the error feedback waits in pinned host memory between syncs

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_commstrats.compression.sparse_tiles import TOPK_FORMS, thin_tiles
+from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy, refuse_outer_arguments
 from lightning_commstrats.strategies.streaming_diloco import default_delay
 
@@ -40,6 +45,35 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     Tensors of at most ``small_tensor_numel`` values (1024: biases, norms) are averaged densely in
     fp32; a longer 1-D tensor (an output layer's bias over the vocabulary) goes sparse like a matrix.
 
+    Two forms (``topk_form``):
+
+    - ``"chunks"`` (default; this package's form, described above): chunks of ``topk_chunk``
+      consecutive values, sign-and-magnitude codes with two scales per chunk, small tensors dense in
+      fp32 without error feedback; on one rank (or a quorum of one replica) nothing is sent and the
+      pseudo-gradient is applied whole, without top-k or error feedback.
+    - ``"published"``: SparseLoCo as the paper and Covenant's public code run it
+      (:mod:`lightning_commstrats.compression.sparse_tiles`). A matrix is cut in 2-D tiles of up to
+      ``topk_tile x topk_tile`` (64 x 64) values, a vector in runs of up to ``topk_tile``; the
+      ``topk_per_chunk`` (64) largest magnitudes of each tile are kept (every value of a tile of at
+      most that many: biases travel whole, in 2 bits); the kept values of a tensor are quantized on a
+      statistical grid (``2^bits`` bins over ``topk_sigmas`` = 6 standard deviations around their
+      mean, each bin decoded as the mean of its values: a lookup of ``2^bits`` float32 per tensor on
+      the wire); every tensor has its error feedback (``small_tensor_numel`` defaults to 0), and the
+      same top-k and error feedback run whatever the number of replicas. Tiles always divide their
+      tensor: a tile's side is the largest divisor of that dimension not above ``topk_tile`` (the
+      public code's rule; a 10000 x 256 embedding gets tiles of 50 x 64, keeping 64 of 3200 values). A
+      dimension with no divisor near ``topk_tile`` gets thin tiles that keep more of their values
+      (a prime dimension: tiles one row high); the strategy warns at setup about every tensor whose
+      tiles keep more than twice the density of a full tile. Bytes per rank and sync: 80 per 64 x 64
+      tile at 2 bits (64 of positions, 16 of codes) and 16 per tensor, all-gathered as above.
+
+    The default stays ``"chunks"``: on the recipe's short runs neither form at the paper's density
+    ends better than the ranks training alone (issue #36 measured ``"chunks"`` at perplexity 252.7
+    and an independent implementation of the published form at 300.7 against 165.1 alone, 4 ranks,
+    192 steps), so switching would not make the default safe, and it would change what every
+    existing configuration trains (a checkpoint's error feedback names its form and is refused by
+    the other). See ``benchmarks/results/sparseloco/`` for this package's measurements of both.
+
     Bytes: one payload per rank and sync is ``C * (8 + (k * (l + bits) + k + (chunk >> l)) / 8)``
     bytes for ``C`` chunks, ``l = floor(log2(chunk / k))`` (8 bytes of scales, the Elias-Fano
     positions, the codes; 88 bytes per chunk at the defaults); a ring all-gather makes each rank
@@ -50,10 +84,11 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
 
     Hyperparameters:
 
-    - ``topk_per_chunk / topk_chunk`` (density, 1.6%): the paper found 1-3% best; denser sends more
-      and tracks DiLoCo; sparser leaves more in ``e`` and reacts late. Keep ``topk_chunk /
-      topk_per_chunk`` a power of two (the positions' low bits fill their range) and ``topk_chunk``
-      large enough that a chunk spans several rows.
+    - ``topk_per_chunk / topk_chunk`` (density, 1.6%; ``topk_per_chunk / topk_tile^2`` in the
+      published form): the paper found 1-3% best; denser sends more and tracks DiLoCo; sparser
+      leaves more in ``e`` and reacts late. Keep ``topk_chunk / topk_per_chunk`` a power of two (the
+      positions' low bits fill their range) and ``topk_chunk`` large enough that a chunk spans
+      several rows.
     - ``error_feedback_decay`` (``beta``, 0.95): 1 keeps every unsent value until it is sent (plain
       error feedback), lower values forget stale directions; the paper tuned 0.95 for ``H`` in the
       tens, together with ``outer_lr``.
@@ -79,8 +114,9 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         sync_period: inner steps between syncs (default 30).
         outer_lr: the outer SGD's learning rate (default 1.0; no momentum).
         pseudo_grad_bits: 2 (default), 4, 8 or 32 bits per kept value.
-        topk_chunk: values per chunk (default 4096).
-        topk_per_chunk: values kept per chunk (default 64).
+        topk_chunk: values per chunk (default ``None``: 4096) with ``topk_form="chunks"``; refused with
+            ``"published"``.
+        topk_per_chunk: values kept per chunk, or per tile with ``topk_form="published"`` (default 64).
         error_feedback_decay: ``beta`` (default 0.95).
         fragment_sync_delay: inner steps the exchange overlaps (default ``None``: 1, or 0 when the
             schedule allows none).
@@ -88,6 +124,13 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         num_fragments: fragments synced in turn (default 1: the whole model at once).
         sync_period_unit: ``"steps"`` (default) or ``"samples"`` (per worker; one fragment, no delay).
         pseudo_grad_codec: ``"topk"`` only (any other is refused: use ``DiLoCoStrategy``).
+        topk_form: ``"chunks"`` (default) or ``"published"`` (see above).
+        topk_tile: with ``topk_form="published"``, the largest side of a tile (default ``None``: 64);
+            refused with ``"chunks"``.
+        topk_sigmas: with ``topk_form="published"``, the quantizer's width in standard deviations
+            (default ``None``: 6); refused with ``"chunks"``.
+        small_tensor_numel: tensors of at most this many values go dense in fp32 without error
+            feedback (default ``None``: 1024 with ``"chunks"``, 0 with ``"published"``).
         **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`
             arguments (``num_fragments``, ``fragment_sync_delay``, ``small_tensor_numel``, ``backend``,
             ``fault_tolerance``...).
@@ -96,6 +139,7 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
 
         strategy = lightning_commstrats.SparseLoCoStrategy(sync_period=32)
         trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy)
+        published = lightning_commstrats.SparseLoCoStrategy(sync_period=30, topk_form="published")
     """
 
     strategy_name = "sparseloco"
@@ -105,7 +149,7 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         sync_period: int = 30,
         outer_lr: float = 1.0,
         pseudo_grad_bits: int = 2,
-        topk_chunk: int = 4096,
+        topk_chunk: int | None = None,
         topk_per_chunk: int = 64,
         error_feedback_decay: float = 0.95,
         num_fragments: int = 1,
@@ -113,8 +157,30 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         keep_local_progress: bool = True,
         sync_period_unit: str = "steps",
         pseudo_grad_codec: str = "topk",
+        topk_form: str = "chunks",
+        topk_tile: int | None = None,
+        topk_sigmas: float | None = None,
+        small_tensor_numel: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if topk_form not in TOPK_FORMS:
+            raise ValueError(f"topk_form={topk_form!r} is not supported; choose one of {TOPK_FORMS}")
+        published = topk_form == "published"
+        # each form's own settings: one given to the other form is refused rather than ignored
+        given = {"topk_chunk": topk_chunk} if published else {"topk_tile": topk_tile, "topk_sigmas": topk_sigmas}
+        for name, value in given.items():
+            if value is not None:
+                owner = "chunks" if published else "published"
+                raise ValueError(
+                    f"{name}={value!r} applies to topk_form={owner!r}, not to topk_form={topk_form!r}"
+                    f"{' (its tiles are set by topk_tile)' if published else ''}"
+                )
+        topk_tile = 64 if topk_tile is None else topk_tile
+        topk_sigmas = 6.0 if topk_sigmas is None else topk_sigmas
+        if topk_chunk is None:
+            topk_chunk = topk_tile * topk_tile if published and isinstance(topk_tile, int) else 4096
+        if small_tensor_numel is None:  # the published form sends every tensor sparse, with its error feedback
+            small_tensor_numel = 0 if published else 1024
         if pseudo_grad_codec != "topk":
             raise ValueError(
                 f"SparseLoCoStrategy sends top-k values (pseudo_grad_codec='topk'), got"
@@ -143,8 +209,27 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
             topk_chunk=topk_chunk,
             topk_per_chunk=topk_per_chunk,
             error_feedback_decay=error_feedback_decay,
+            topk_form=topk_form,
+            topk_tile=topk_tile,
+            topk_sigmas=topk_sigmas,
+            small_tensor_numel=small_tensor_numel,
             num_fragments=num_fragments,
             fragment_sync_delay=fragment_sync_delay,
             keep_local_progress=keep_local_progress,
             **kwargs,
         )
+
+    @override
+    def setup_scheme(self) -> None:
+        super().setup_scheme()
+        if self.topk_form == "published":
+            shapes = {
+                self.param_name(p): local(p).shape for p in self.params if local(p).numel() > self.small_tensor_numel
+            }
+            lines = thin_tiles(shapes, self.topk_tile, self.topk_per_chunk)
+            if lines:
+                rank_zero_warn(
+                    f"SparseLoCoStrategy(topk_form='published', topk_tile={self.topk_tile}): tiles divide their"
+                    " tensor (a side is the largest divisor of its dimension not above topk_tile), so these"
+                    " tensors send denser than the rest: " + "; ".join(lines)
+                )
