@@ -38,6 +38,9 @@ extensions = [
 exclude_patterns = ["_build"]
 html_theme = "furo"
 html_title = f"lightning-commstrats {release}"
+# _static/custom.css: code blocks wrap their long lines instead of scrolling sideways
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 
 # Notebooks: their committed outputs, as the test suite left them; never run while building.
 nb_execution_mode = "off"

@@ -1100,14 +1100,15 @@ def model_from_json(path: str, vocab_size: int = 0, vocab_width: int = 0) -> Mod
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``commstrats-advise``: print every candidate's predicted step as a markdown table."""
+    """``commstrats-advise``: print every candidate's predicted step and memory per rank as a markdown table."""
     parser = argparse.ArgumentParser(
         prog="commstrats-advise",
         description=(
-            "Predict the seconds per training step of every communication scheme of lightning-commstrats"
-            " for a model, link rate, compute time per step and number of ranks (the cost model: bytes over"
-            " the link rate, no latency), fastest first. A faster periodic or compressed scheme trains"
-            " differently: check its quality (benchmarks/compare.py)."
+            "Predict the seconds per training step and the memory per rank of every communication scheme of"
+            " lightning-commstrats for a model, link rate, compute time per step and number of ranks (the cost"
+            " model: bytes over the link rate, no latency; the memory the strategies hold between steps),"
+            " fastest first. A faster periodic or compressed scheme trains differently: check its quality"
+            " (benchmarks/compare.py)."
         ),
     )
     model = parser.add_mutually_exclusive_group(required=True)
