@@ -1,10 +1,11 @@
 """Registration of the package's strategy names with Lightning's ``StrategyRegistry``, and the
 error for a name that nothing registered (with the nearest names, where the package sees the value:
-the recipes, :class:`~lightning_commstrats.FabricStrategy`, the CLI)."""
+the recipes, :class:`~lightning_commstrats.FabricStrategy`, the CLI, the Trainer)."""
 
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -88,6 +89,41 @@ def nearest_strategy_names(value: str, names: Iterable[str] | None = None, n: in
     best = max(score.values(), default=0.0)
     close = [name for name in score if score[name] >= max(0.6, best - 0.1)]
     return sorted(close, key=lambda name: -score[name])[:n]
+
+
+def suggest_names_in_trainer() -> bool:
+    """Make ``Trainer(strategy="dilocoo")`` name the nearest registered names, as the CLI and
+    :class:`~lightning_commstrats.FabricStrategy` do, instead of Lightning's fixed examples (``auto,
+    ddp, ddp_spawn, deepspeed, ...``). Called once when the package is imported.
+
+    Lightning offers no hook for that error: it checks the name in the constructor of its private
+    ``_AcceleratorConnector``, which the Trainer builds with ``strategy=`` as a keyword. This wraps that
+    constructor: when it raises ``ValueError`` for a string that no registry entry matches, the error
+    is raised again with :func:`unknown_strategy_message`; every other call and error passes through
+    unchanged, so the Trainer refuses exactly what it refused before. Returns whether the wrapper is
+    in place (``False`` when a Lightning release moved the class: its own message then stands).
+    """
+    try:
+        from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    except ImportError:
+        return False
+    init = _AcceleratorConnector.__init__
+    if getattr(init, "__commstrats_wrapped__", False):  # a second import, or a reload
+        return True
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except ValueError:
+            strategy = kwargs.get("strategy")
+            if isinstance(strategy, str) and not is_registered_strategy(strategy):
+                raise ValueError(unknown_strategy_message("strategy", strategy)) from None
+            raise
+
+    __init__.__commstrats_wrapped__ = True  # type: ignore[attr-defined]
+    _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]
+    return True
 
 
 def unknown_strategy_message(argument: str, value: str, names: Iterable[str] | None = None) -> str:
