@@ -648,8 +648,8 @@ def memory_per_rank(
       error-feedback residuals in float32, stage 1 the size of every quantized matrix, stage 2 the
       rank's stripe of it (a ``1/ranks`` share; rank 0's, the largest, is counted), plus the buckets
       of the tensors sent in full precision; at 32 bits the buckets of every gradient;
-    - ``onebit_adam``: as ``onebit_sgd`` (past the freeze its momentum travels as ``onebit_sgd``'s
-      gradients do), and the gradient buckets of its fp32 warm-up, which stay after the freeze;
+    - ``onebit_adam``: as ``onebit_sgd`` past the freeze (its momentum travels as ``onebit_sgd``'s
+      gradients do; the fp32 warm-up's gradient buckets are released at the freeze);
     - ``sampled_vocab``: also a flag per word, the frequent words' ids, the last step's row ids (at
       most 8 bytes a word) and,
       with ``error_feedback``, the unsent rows (the vocabulary matrices' size);
@@ -776,9 +776,7 @@ def _gradient_state(
         if settings.get("error_feedback", False):
             parts.append(("unsent vocabulary rows (error feedback)", width * v * vw, "device"))
         return parts
-    parts = []
-    if scheme == "onebit_adam":  # the fp32 warm-up's gradient buckets stay after the freeze
-        parts.append(("gradient buckets of the fp32 warm-up, still kept", width * numel, "device"))
+    parts = []  # (onebit_adam releases its fp32 warm-up's gradient buckets at the freeze)
     if replicas == 1:  # one group: the exchange across groups has no one to exchange with
         return parts
     bits = _int_setting(settings, "num_quantization_bits", 1, EXCHANGE_BITS)

@@ -193,7 +193,8 @@ class OneBitAdamStrategy(AllReduceStrategy):
             paper's update).
         small_tensor_numel: tensors this small (or 1-D) carry their momentum in fp32.
         half_dtype: the 16-bit format.
-        bucket_cap_mb, backend, timeout, start_method, **kwargs: as :class:`AllReduceStrategy`.
+        bucket_cap_mb, backend, timeout, start_method: as :class:`AllReduceStrategy`.
+        **kwargs: as :class:`AllReduceStrategy`.
 
     Example::
 
@@ -257,6 +258,8 @@ class OneBitAdamStrategy(AllReduceStrategy):
             super().after_backward(optimizer)  # fp32 gradients; the user's Adam steps
             return
         params = trainable_params(optimizer)
+        if self._fused is not None and self._fused.buffers("grad") is not None:  # the warm-up buckets: unused now
+            self._fused.release("grad")
         self._clip_local(optimizer, params)
         self.adam.local_momentum(optimizer, params)
         if self.world_size > 1:
