@@ -26,6 +26,7 @@ residuals are its own.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -97,7 +98,13 @@ def check_period(sync_period: Any, sync_period_unit: Any) -> None:
 
 
 def refuse_outer_arguments(kwargs: dict[str, Any], owner: str, instead: str) -> None:
-    """A preset with its own outer step takes no outer-optimizer argument: say so rather than drop it."""
+    """A preset with its own outer step takes no outer-optimizer argument: say so rather than drop it.
+    An argument given at its default is no choice (the recipes' CLI passes every argument of the
+    signature it follows, defaults included): it is dropped."""
+    defaults = inspect.signature(PeriodicSyncStrategy.__init__).parameters
+    for name in OUTER_ARGUMENTS:
+        if name in kwargs and kwargs[name] == defaults[name].default:
+            del kwargs[name]
     given = [name for name in OUTER_ARGUMENTS if name in kwargs]
     if given:
         raise ValueError(
