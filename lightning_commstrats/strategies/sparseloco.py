@@ -72,7 +72,9 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     and an independent implementation of the published form at 300.7 against 165.1 alone, 4 ranks,
     192 steps), so switching would not make the default safe, and it would change what every
     existing configuration trains (a checkpoint's error feedback names its form and is refused by
-    the other). See ``benchmarks/results/sparseloco/`` for this package's measurements of both.
+    the other). Measured here (``benchmarks/results/sparseloco/``: the recipe's LSTM with AdamW, 2
+    ranks, 192 steps, ``sync_period=16``, one seed): ``"chunks"`` 249.2, ``"published"`` 235.2, fp32
+    ``diloco`` 181.3, at about 2,600x and 2,550x fewer bytes than fp32 DDP (``diloco`` 16x).
 
     Bytes: one payload per rank and sync is ``C * (8 + (k * (l + bits) + k + (chunk >> l)) / 8)``
     bytes for ``C`` chunks, ``l = floor(log2(chunk / k))`` (8 bytes of scales, the Elias-Fano
