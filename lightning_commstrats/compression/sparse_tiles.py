@@ -22,7 +22,8 @@ Tiles always divide their tensor: a side is the largest divisor of that dimensio
 bias in runs of 64. A dimension with no divisor near ``tile`` gets thin tiles that keep a larger
 share of their values (a prime dimension: tiles one row high, every value kept);
 :func:`tile_spec` says what a shape gets. Tensors of more than two dimensions are cut as the matrix
-of their first dimension by the rest.
+of their first dimension by the rest. With ``shard="fsdp"`` a rank tiles its own shard (a slice of
+the first dimension), so its tiles are not an unsharded run's.
 
 Where this package differs from the public code: positions inside a tile travel Elias-Fano coded
 (:func:`~lightning_commstrats.compression.sparse.encode_positions`: 8 bits each at 64 of 4096,
