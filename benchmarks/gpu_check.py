@@ -31,7 +31,7 @@ PERIODIC = {"sync_period": 2, "sync_period_unit": "steps"}
 SCHEMES: dict[str, dict[str, Any]] = {
     "allreduce": {},
     "onebit_sgd": {},
-    "onebit_adam": {"freeze_step": 1},  # steps 2 and 3 are the frozen-variance ones
+    "onebit_adam": {"freeze_step": 2},  # step 3 takes the frozen-variance path (frozen after 1 step it explodes)
     "model_averaging": PERIODIC,
     "bmuf": PERIODIC,
     "diloco": PERIODIC,
