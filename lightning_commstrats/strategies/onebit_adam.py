@@ -179,7 +179,8 @@ class OneBitAdamStrategy(AllReduceStrategy):
 
     Tuning: ``freeze_step`` as the paper: long enough for the variance to settle (they froze after
     15-25% of BERT pre-training; on this package's LSTM recipe a few hundred steps); too early and
-    the frozen variance misjudges the coordinates' scales. ``num_quantization_bits`` 2-8 trades bytes
+    the frozen variance misjudges the coordinates' scales (frozen after a single step, the variance
+    of one gradient makes the next update explode: measured, ``benchmarks/results/gpu_check``). ``num_quantization_bits`` 2-8 trades bytes
     for noise; 32 is "Adam with its variance frozen" in fp32 (a control).
 
     Reference: H. Tang, S. Gan, A. A. Awan, S. Rajbhandari, C. Li, X. Lian, J. Liu, C. Zhang, Y. He,
