@@ -20,11 +20,17 @@ the package). Every strategy of the package is available by name.
 under --config below); an existing file of that name wins. fit --help lists
 every argument with its documentation. After fit, validate and test it prints
 the perplexity next to the unigram baseline's (after fit, the perplexity of the
-model the run ends with: when that changed after the last validation, a
-periodic scheme's end-of-fit sync for one, it is validated once more); add CommStatsMonitor
+model the run ends with: when the fit never validated, a run shortened below
+its first validation for one, or that model changed after the last validation,
+a periodic scheme's end-of-fit sync for one, it is validated once more); add CommStatsMonitor
 (lightning_commstrats.CommStatsMonitor) to the callbacks for communication
 figures. With LayeredMixedPrecision among the plugins it prints the preset and
 the steps skipped for overflow.
+
+A bad setting is one line naming it, with the nearest settings for one that
+does not exist (settings are never abbreviated) and the types allowed for a
+value of the wrong type; the exit status is 0 after a run that ended, 2 after
+a bad setting, 1 after a failure (with its traceback).
 
 --trainer.strategy takes a registered name (the package's: allreduce,
 onebit_sgd, bmuf, diloco... or Lightning's) or a class path. Settings follow
@@ -45,12 +51,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch
 import torch
@@ -59,10 +66,12 @@ from jsonargparse import ActionConfigFile, DefaultHelpFormatter, Namespace
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning_commstrats  # noqa: F401 - registers the strategy names
+from lightning_commstrats._cli_errors import parser_settings, short_parse_error, short_setting_error
 from lightning_commstrats._registry import is_registered_strategy, strategy_class_path, unknown_strategy_message
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
@@ -235,11 +244,39 @@ class HelpFormatter(DefaultHelpFormatter):
 
 
 class LMArgumentParser(LightningArgumentParser):
-    """The parser with :class:`HelpFormatter`; jsonargparse builds the parsers of ``--*.help CLASS``
-    from the type of this one, so they get the formatter too."""
+    """The parser with :class:`HelpFormatter` and short errors; jsonargparse builds the parsers of
+    ``--*.help CLASS`` from the type of this one, so they get both too.
+
+    An error is one line naming the setting (:mod:`lightning_commstrats._cli_errors`): a setting that
+    does not exist with the nearest ones, a value of the wrong type with the types allowed, then
+    where ``--help`` lists every setting; the usage is printed only when it is short (the usage of
+    ``fit`` is about 90 lines). Abbreviated settings are refused (argparse would take
+    ``--trainer.max_step`` for ``--trainer.max_steps``, and a new setting could change what a
+    prefix meant): a misspelled setting is named, never guessed. ``JSONARGPARSE_DEBUG=1`` raises
+    jsonargparse's own error instead, with its traceback.
+    """
 
     def __init__(self, *args: Any, formatter_class: type = HelpFormatter, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            # jsonargparse reads the messages of parsers that do not exit (nested types): untouched
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        parser.print_usage(sys.stderr)
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {short_parse_error(message, parser_settings(parser))}\n")
+        sys.stderr.write(f"{prog} --help lists every setting\n")
+        self.exit(2)
+
+    @override
+    def print_usage(self, file: Any = None) -> None:
+        usage = self.format_usage()
+        if usage.count("\n") <= 4:  # the top level's (subcommands): short and useful
+            self._print_message(usage, file)
 
 
 class SaveConfigToRunFolder(SaveConfigCallback):
@@ -278,12 +315,18 @@ class LastValidation(Callback):
             self.checksum = self.model_checksum(pl_module)
 
     def outdated(self, trainer: Trainer, module: LightningModule) -> bool:
-        """Whether the fit validated, and its model has changed since (steps after the last validation,
-        or a strategy's end of fit: the periodic schemes' final sync). Rank 0 decides for all, so
-        that the ranks cannot split between validating again and not."""
-        if self.step is None or self.checksum is None:
+        """Whether the model the fit ends with has no validation of its own: the fit never validated (a
+        run shortened below its first validation, such as ``--trainer.max_steps`` below one epoch when
+        validation comes at the epoch's end), or its model changed since the last validation (steps
+        after it, or a strategy's end of fit: the periodic schemes' final sync). Never with validation
+        off (``limit_val_batches=0``). Rank 0 decides for all, so that the ranks cannot split between
+        validating again and not."""
+        if not trainer.limit_val_batches:
             return False
-        changed = self.step != trainer.global_step or self.checksum != self.model_checksum(module)
+        if self.step is None or self.checksum is None:
+            changed = True
+        else:
+            changed = self.step != trainer.global_step or self.checksum != self.model_checksum(module)
         return bool(trainer.strategy.broadcast(changed, 0))
 
 
@@ -343,7 +386,23 @@ class LMCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        check_model_and_data(cfg.model.arch, cfg.data.mode, cfg.model.num_experts)
+        try:
+            check_model_and_data(cfg.model.arch, cfg.data.mode, cfg.model.num_experts)
+        except ValueError as err:
+            self._active_parser().error(str(err), err)
+
+    def instantiate_classes(self) -> None:
+        # A value that a constructor refuses (the package's, Lightning's) is a usage error of one line
+        # naming the setting, not a traceback through jsonargparse.
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as err:
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            self._active_parser().error(short_setting_error(err, cfg), err)
+
+    def _active_parser(self) -> LightningArgumentParser:
+        """The subcommand's parser (its name in errors: ``commstrats-lm fit``), else the top level's."""
+        return getattr(self, "_subcommand_parsers", {}).get(self.subcommand, self.parser)
 
     def before_fit(self) -> None:
         self._last_validation = LastValidation()
@@ -354,7 +413,7 @@ class LMCLI(LightningCLI):
         if isinstance(plugin, LayeredMixedPrecision):
             skipped = plugin.scaler.skipped_steps if plugin.scaler else 0
             rank_zero_info(f"[precision] {plugin}: {skipped} steps skipped for overflow")
-        # The perplexity printed is the model the run ends with.
+        # The perplexity printed is the model the run ends with, however the run was shortened.
         if self._last_validation.outdated(self.trainer, self.model):
             fit_metrics = dict(self.trainer.callback_metrics)
             with warnings.catch_warnings():
@@ -390,6 +449,10 @@ def compare_to_baseline(ppl: float, baseline: float) -> str:
 
 
 def main(args: list[str] | None = None) -> LMCLI:
+    """Parse ``args`` (default: the command line), build the run and run the subcommand; returns the
+    :class:`LMCLI`, whose ``trainer``, ``model`` and ``datamodule`` stay readable. A bad setting exits
+    (``SystemExit`` with code 2) after printing one line that names it. The console command is
+    :func:`console_main`."""
     return LMCLI(
         LanguageModel,
         LMDataModule,
@@ -402,5 +465,13 @@ def main(args: list[str] | None = None) -> LMCLI:
     )
 
 
-if __name__ == "__main__":
+def console_main() -> int:
+    """``commstrats-lm``: :func:`main` on the command line; the exit status is 0 when the subcommand
+    ran to its end, 2 on a bad setting, and 1 with the traceback when the run failed (a Python
+    exception), so that ``&&``, CI and job schedulers read it."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(console_main())

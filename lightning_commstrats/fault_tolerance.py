@@ -38,7 +38,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -189,6 +192,8 @@ def check_lighthouse(config: FaultTolerance) -> None:
         raise ConnectionError(
             f"fault_tolerance.lighthouse={config.lighthouse!r} cannot be reached within connect_timeout="
             f"{config.connect_timeout} s ({err}); start it with `commstrats-lighthouse --port {parsed.port}`"
+            " (with --bind <an address of its machine> for replicas on other machines: by default it listens"
+            " on the loopback interface only)"
         ) from err
 
 
@@ -578,14 +583,29 @@ def run_attempts(
     )
 
 
+LIGHTHOUSE_BIND = "127.0.0.1"
+"""Where ``commstrats-lighthouse`` listens by default: the loopback interface, which replicas on the
+same machine reach and nothing else does. Anyone who reaches the Lighthouse can join the run as a
+replica, or end it (the run store takes any writer); listening on a network is a choice to make with
+``--bind``, for replicas on several machines, not a default."""
+
+
 def lighthouse_parser() -> argparse.ArgumentParser:
     """The command line of ``commstrats-lighthouse``."""
     parser = argparse.ArgumentParser(
         prog="commstrats-lighthouse",
-        description="Start the torchft Lighthouse that forms the quorums of a fault-tolerant periodic run.",
+        description="Start the torchft Lighthouse that forms the quorums of a fault-tolerant periodic run,"
+        " and the run's store (at its port + 1).",
     )
     parser.add_argument("--port", type=int, default=29510, help="port to listen on (0: any free port)")
-    parser.add_argument("--bind", default="[::]", help="address to listen on (default: every interface)")
+    parser.add_argument(
+        "--bind",
+        default=LIGHTHOUSE_BIND,
+        metavar="ADDRESS",
+        help=f"address to listen on, for the Lighthouse and the run store (default {LIGHTHOUSE_BIND}: this"
+        " machine only). Replicas on other machines need an address they reach: this machine's address"
+        " on their network, or 0.0.0.0 (every IPv4 interface) or :: (every interface)",
+    )
     parser.add_argument("--min-replicas", type=int, default=1, help="fewest replicas a quorum may have")
     parser.add_argument(
         "--join-timeout-ms",
@@ -605,40 +625,90 @@ def lighthouse_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def lighthouse_main(argv: list[str] | None = None) -> None:
-    """``commstrats-lighthouse --port P --min-replicas K``: run torchft's Lighthouse until interrupted."""
+_EVERY_INTERFACE = ("0.0.0.0", "::")
+
+
+def bind_host(value: str) -> str:
+    """``--bind`` as a host: brackets of an IPv6 address dropped (``[::]`` is ``::``); ``ValueError``
+    for an empty value or one with a port (the port is ``--port``)."""
+    host = value.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif host.count(":") == 1:
+        raise ValueError("give the address without a port (the port is --port)")
+    if not host:
+        raise ValueError("give an address, such as 127.0.0.1, 0.0.0.0 or this machine's address")
+    return host
+
+
+def _with_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening at ``host:port`` (``::`` takes IPv4 too); the run store serves on it, so
+    that the store listens where the Lighthouse does."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    dual = family == socket.AF_INET6 and host == "::" and socket.has_dualstack_ipv6()
+    return socket.create_server((host, port), family=family, dualstack_ipv6=dual)
+
+
+def lighthouse_main(argv: list[str] | None = None) -> int:
+    """``commstrats-lighthouse --port P --min-replicas K [--bind ADDRESS]``: run torchft's Lighthouse,
+    and the run store at port P + 1, both listening at ``--bind`` (default :data:`LIGHTHOUSE_BIND`),
+    until interrupted (Ctrl-C or SIGTERM: it then stops and exits with status 0)."""
     parser = lighthouse_parser()
     args = parser.parse_args(argv)
     if args.min_replicas < 1:
         parser.error(f"--min-replicas must be >= 1, got {args.min_replicas}")
     if not 0 <= args.port < 65536:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        host = bind_host(args.bind)
+        socket.getaddrinfo(host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (ValueError, OSError) as err:
+        parser.error(f"--bind {args.bind!r}: {err}")
     import_torchft()
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(
-        bind=f"{args.bind}:{args.port}",
+        bind=_with_port(host, args.port),
         min_replicas=args.min_replicas,
         join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=args.quorum_tick_ms,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     )
     port = int(server.address().rsplit(":", 1)[1])
-    # the run's store (RunStore): where the replicas that finish the run say so
+    # the run's store (RunStore): where the replicas that finish the run say so. TCPStore listens on
+    # every interface unless it is handed a socket, so it gets one listening where the Lighthouse does.
+    # The socket is kept open for as long as the store serves on it.
+    listener = listen_socket(host, args.store_port if args.store_port is not None else port + 1)
     store = TCPStore(
-        "0.0.0.0", args.store_port if args.store_port is not None else port + 1, is_master=True, wait_for_workers=False
+        "127.0.0.1" if host in _EVERY_INTERFACE else host,  # where this process reaches its own store
+        listener.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
     )
     store.set(RunStore.JOIN_TIMEOUT_KEY, str(args.join_timeout_ms))  # the replicas pace their renewals by it
-    print(
-        f"commstrats-lighthouse: listening at {server.address()} (min replicas {args.min_replicas});"
-        f" run store at port {store.port}",
-        flush=True,
-    )
+    # torchft prints this machine's name, which replicas elsewhere may reach on the wrong interface
+    address = server.address() if host in _EVERY_INTERFACE else f"http://{_with_port(host, port)}"
+    if threading.current_thread() is threading.main_thread():  # Python handles signals there only
+        # SIGTERM (`kill PID`, a scheduler ending the job) stops it as Ctrl-C does; set before the
+        # address is printed, which is when anyone can know whom to signal
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
+        print(
+            f"commstrats-lighthouse: listening at {address} (min replicas {args.min_replicas});"
+            f" run store at port {store.port}",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
         server.shutdown()
+        listener.close()
+    return 0

@@ -81,3 +81,27 @@ def test_registered_names_as_the_trainer_takes_them():
     assert not is_registered_strategy("dilocco")
     assert strategy_class_path("diloco") == "lightning_commstrats.DiLoCoStrategy"
     assert strategy_class_path("ddp") is None
+
+
+@pytest.mark.parametrize(("name", "nearest"), [("dilocoo", "'diloco'"), ("DiLoCoo", "'diloco'"), ("ddpp", "'ddp'")])
+def test_the_trainer_names_the_nearest_registered_names(name, nearest):
+    import lightning as L
+
+    with pytest.raises(
+        ValueError, match=f"^strategy='{name}' is not a registered strategy name; did you mean {nearest}"
+    ):
+        L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+
+
+def test_the_trainer_takes_and_refuses_what_it_did_before():
+    import lightning as L
+
+    assert type(L.Trainer(strategy="DiLoCo", accelerator="cpu", devices=1, logger=False).strategy).__name__ == (
+        "DiLoCoStrategy"
+    )
+    with pytest.raises(ValueError, match="You selected an invalid accelerator name"):  # Lightning's own, unchanged
+        L.Trainer(strategy="diloco", accelerator="cpuu", logger=False)
+    importlib.reload(lightning_commstrats)  # wrapped once, however often the package is imported
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    assert not getattr(_AcceleratorConnector.__init__.__wrapped__, "__commstrats_wrapped__", False)

@@ -143,3 +143,37 @@ def test_a_packaged_config_runs_against_lightning_ddp():
         r"\[comm\] steps 6: wall [\d.]+s \([\d.]+ s/step\); bytes not known \(DDPStrategy .*\)", summary
     )
     assert len(LM_LINE.findall(out)) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "validations_after_fit"),
+    [
+        # validation at the epoch's end, as in lstm_demo; 4 steps are far below one epoch of Brown
+        (["--trainer.val_check_interval=1.0", "--trainer.max_steps=4"], 1),
+        (["--trainer.max_steps=2"], 1),  # below lstm_tiny's first validation (every 3 steps)
+    ],
+    ids=["below-one-epoch", "below-first-interval"],
+)
+def test_a_run_shortened_below_its_first_validation_prints_the_final_perplexity(
+    args, validations_after_fit, tmp_path, caplog, monkeypatch
+):
+    calls = []
+    validate = pl.Trainer.validate
+    monkeypatch.setattr(pl.Trainer, "validate", lambda *a, **k: calls.append(1) or validate(*a, **k))
+    with caplog.at_level(logging.INFO):
+        cli = main(["fit", "--config", TINY, *args])
+    assert cli.trainer.global_step < cli.trainer.num_training_batches
+    cli.trainer.save_checkpoint(tmp_path / "final.ckpt")
+    final = LanguageModel.load_from_checkpoint(tmp_path / "final.ckpt", map_location="cpu")
+    batches = first_batches(cli.datamodule.val_dataloader(), cli.trainer.limit_val_batches)
+    check_lm_line(caplog.text, perplexity(final, batches))
+    assert len(calls) == validations_after_fit
+
+
+def test_with_validation_off_nothing_is_validated_after_fit(caplog, monkeypatch):
+    calls = []
+    validate = pl.Trainer.validate
+    monkeypatch.setattr(pl.Trainer, "validate", lambda *a, **k: calls.append(1) or validate(*a, **k))
+    with caplog.at_level(logging.INFO):
+        main(["fit", "--config", TINY, "--trainer.max_steps=2", "--trainer.limit_val_batches=0"])
+    assert calls == [] and not LM_LINE.findall(caplog.text)
