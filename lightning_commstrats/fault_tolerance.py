@@ -273,7 +273,14 @@ class ReplicaSync:
             host copies) also on CUDA: for an exchange issued from a background thread.
         rank: this rank in its replica. world_size: the replica's ranks.
         store: ``(host, port)`` of the replica's rendezvous store (made by its rank 0).
+
+    Attributes:
+        on_wait: called between two attempts while this replica waits for a quorum; raises to stop
+            waiting (the strategy's: a SIGTERM noted meanwhile stops the replica within one renewal).
     """
+
+    on_wait: Callable[[], None] | None = None
+    _told_waiting = False  # the replica said once why it waits
 
     def __init__(
         self,
@@ -295,10 +302,6 @@ class ReplicaSync:
         self.stats = stats
         self._received: dict[str, Any] | None = None
         self.closed = False
-        # called between two attempts while this replica waits for a quorum: raises to stop waiting
-        # (the strategy's: a SIGTERM noted meanwhile stops the replica within one renewal)
-        self.on_wait: Callable[[], None] | None = None
-        self._told_waiting = False
         self.run_store = RunStore.connect(config)
         self.check_ended()
         if self.run_store is not None:  # the same size as the run's other replicas, before any quorum
