@@ -41,6 +41,7 @@ def _race(out, *args):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 19 s; the race's other ending (the budget) stays in the quick suite
 def test_race_ends_at_an_easy_target(tmp_path):
     # the tiny model starts near ppl 2000 and passes 300 within about fifty steps
     rows, table = _race(tmp_path, "--only", "ddp", "allreduce", "--target-ppl", "300", "--budget-seconds", "120")

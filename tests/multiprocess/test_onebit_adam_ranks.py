@@ -91,7 +91,7 @@ def scenario(optimizer: str, world: int = 2, **extra) -> dict:
     return {**base, "trace": True, "record_gradients": True, **extra}
 
 
-@pytest.mark.parametrize(("world", "optimizer"), [(2, "adamw"), (3, "adam")])
+@pytest.mark.parametrize(("world", "optimizer"), [(2, "adamw"), pytest.param(3, "adam", marks=pytest.mark.slow)])
 def test_the_update_is_the_papers_step_by_step_before_and_after_the_freeze(world, optimizer):
     ranks = [r["ob"] for r in run_ranks({"scenarios": {"ob": scenario(optimizer, world)}}, world)]
     for r in ranks[1:]:  # every rank holds the same weights after every step

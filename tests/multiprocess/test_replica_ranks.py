@@ -150,6 +150,7 @@ def test_a_full_restart_continues_from_the_newest_checkpoint():
     assert a["global_step"] == b["global_step"] == 64
 
 
+@pytest.mark.slow  # 21 s; the agreed end at max_steps is in every quick replica test
 def test_max_epochs_ends_every_replica_at_the_same_step_after_a_kill_and_a_heal():
     # 40 batches an epoch, 2 epochs: 80 steps. b dies at step 12 and comes back; healed, it takes over
     # the run's step count but starts its own epoch from its first batch, so its own limit would end it
