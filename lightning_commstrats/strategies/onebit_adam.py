@@ -242,6 +242,18 @@ class OneBitAdamStrategy(AllReduceStrategy):
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             self.adam.check_optimizer(optimizer)
+        self.check_precision()
+
+    def check_precision(self) -> None:
+        """Refuse a precision plugin with torch's ``GradScaler`` (``precision="16-mixed"``): after the
+        freeze this strategy takes the step at the exchange, on gradients the scaler has not
+        unscaled yet, and ``scaler.step`` then finds no gradient it checked."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "onebit_adam takes Adam's step itself after the freeze, which torch's GradScaler"
+                f" ({type(self.precision_plugin).__name__}, precision='16-mixed') cannot follow: use"
+                " precision='bf16-mixed' or '32-true', or lightning_commstrats.LayeredMixedPrecision"
+            )
 
     @override
     def on_train_start(self) -> None:

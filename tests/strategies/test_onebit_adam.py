@@ -87,6 +87,17 @@ def test_one_rank_after_the_freeze_is_adam_with_its_variance_frozen():
     assert strategy.comm_stats.bytes_sent == 0  # one rank: nothing travels
 
 
+def test_a_grad_scaler_is_refused():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = OneBitAdamStrategy(freeze_step=2)
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="GradScaler"):
+        strategy.check_precision()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    strategy.check_precision()
+
+
 def test_a_run_that_never_reaches_the_freeze_is_warned_of():
     with pytest.warns(UserWarning, match="freeze_step=10: it never compresses"):
         _fit(lambda ps: torch.optim.Adam(ps, lr=0.01), steps=6, freeze_step=10)
