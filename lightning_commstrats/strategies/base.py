@@ -263,6 +263,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self._comm: Communicator | None = None
         self._host_comm: Communicator | None = None
         self.stop_agreement = StopAgreement(every=stop_check_every)  # SIGTERM: every rank stops at the same batch
+        # called with the optimizer once this rank's own gradients are complete and unscaled, before
+        # the exchange (lightning_commstrats.GradientNoiseScale reads each rank's gradient here)
+        self.gradient_observers: list[Callable[[Optimizer], None]] = []
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -835,6 +838,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         runs = check(optimizer, self) if check is not None else True
         if runs:
             self._nonfinite_names = []
+            for observe in self.gradient_observers:
+                observe(optimizer)
             self.after_backward(optimizer)
             self._nonfinite_names = self.agree_on_names(self._nonfinite_names)
             if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
