@@ -1,0 +1,198 @@
+"""The noise-scale estimator against the truth computed from per-sample gradients, and its settings."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.func import functional_call, grad, vmap
+
+from lightning_commstrats import (
+    AllReduceStrategy,
+    BMUFStrategy,
+    DiLoCoStrategy,
+    ExpertParallelStrategy,
+    ModelAveragingStrategy,
+    OneBitAdamStrategy,
+    OneBitSGDStrategy,
+    ParameterServerStrategy,
+    SampledVocabStrategy,
+    SparseLoCoStrategy,
+    StreamingDiLoCoStrategy,
+)
+from lightning_commstrats.batching.noise_scale import (
+    GradientNoiseScale,
+    NoiseScaleEstimator,
+    count_sketch,
+    unbiased_estimates,
+)
+
+N_DATA, PER_RANK, RANKS = 5, 2, 2
+
+
+def small_problem() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    x = torch.randn(N_DATA, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (N_DATA,))
+    return model, x, y
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def batch_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient of the batch's mean loss by ordinary autograd, flattened."""
+    model.zero_grad()
+    loss_of(model, x, y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+
+
+def test_the_estimates_expectation_is_the_true_gradient_and_trace_by_exact_enumeration():
+    model, x, y = small_problem()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one_loss(p, xi, yi):
+        return loss_of(lambda inp: functional_call(model, p, (inp,)), xi[None], yi[None])
+
+    per_sample = vmap(grad(one_loss), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([per_sample[k].reshape(N_DATA, -1) for k in params], dim=1)  # [n, P]
+    true_g = flat.mean(0)
+    true_trace = (flat - true_g).square().sum(1).mean()  # tr(Sigma): the covariance of one sample's gradient
+    assert true_trace > 0.1 * true_g.square().sum()  # not a degenerate case: noise and signal both matter
+
+    # every way of drawing 2 ranks x 2 samples independently (with replacement), each as likely;
+    # a rank's gradient depends on its own 2 samples only: each of those batches goes through autograd once
+    own_batch = {
+        b: batch_gradient(model, x[list(b)], y[list(b)]) for b in itertools.product(range(N_DATA), repeat=PER_RANK)
+    }
+    gradient_sq, trace = [], []
+    for draw in itertools.product(range(N_DATA), repeat=RANKS * PER_RANK):
+        own = [own_batch[draw[r * PER_RANK : (r + 1) * PER_RANK]] for r in range(RANKS)]
+        small_sq = sum(float(g.square().sum()) for g in own) / RANKS
+        big_sq = float((sum(own) / RANKS).square().sum())
+        g2, tr = unbiased_estimates(small_sq, big_sq, PER_RANK, PER_RANK * RANKS)
+        gradient_sq.append(g2)
+        trace.append(tr)
+    assert len(gradient_sq) == N_DATA ** (RANKS * PER_RANK)
+    mean_g2, mean_trace = sum(gradient_sq) / len(gradient_sq), sum(trace) / len(trace)
+    print(
+        f"|G|^2 {float(true_g.square().sum()):.6f} expected {mean_g2:.6f};"
+        f" tr {float(true_trace):.6f} expected {mean_trace:.6f}"
+    )
+    torch.testing.assert_close(mean_g2, float(true_g.square().sum()), rtol=1e-10, atol=0)
+    torch.testing.assert_close(mean_trace, float(true_trace), rtol=1e-10, atol=0)
+    # one draw alone is far off: the agreement is the expectation's, not luck
+    assert max(abs(g - mean_g2) for g in gradient_sq) > 0.5 * mean_g2
+
+
+def test_the_noise_scale_is_the_ratio_of_the_two_moving_averages():
+    est = NoiseScaleEstimator(beta=0.5)
+    assert math.isnan(est.noise_scale)
+    steps = [(4.0, 3.0), (5.0, 3.5), (2.0, 1.9)]
+    g2_avg = tr_avg = 0.0
+    for small, big in steps:
+        g2, tr = unbiased_estimates(small, big, 8, 32)
+        g2_avg, tr_avg = 0.5 * g2_avg + 0.5 * g2, 0.5 * tr_avg + 0.5 * tr
+        assert est.update(small, big, 8, 32) == pytest.approx(tr_avg / g2_avg, rel=1e-12)
+    assert est.gradient_sq == pytest.approx(g2_avg / (1 - 0.5**3), rel=1e-12)
+    assert est.trace == pytest.approx(tr_avg / (1 - 0.5**3), rel=1e-12)
+    # checkpointed state carries on alike
+    again = NoiseScaleEstimator(beta=0.5)
+    again.load_state_dict(est.state_dict())
+    assert again.update(3.0, 2.0, 8, 32) == est.update(3.0, 2.0, 8, 32)
+
+
+def test_noise_that_dominates_gives_no_noise_scale_rather_than_a_negative_one():
+    est = NoiseScaleEstimator(beta=0.0)
+    assert math.isnan(est.update(1.0, 0.2, 1, 2))  # |G|^2 estimate 2*0.2 - 1 < 0
+
+
+def test_the_count_sketch_is_linear_and_its_squared_norm_unbiased():
+    torch.manual_seed(0)
+    # heavy-tailed values in tensors of several shapes, as gradients are (a few embedding rows, many zeros)
+    parts = [
+        torch.randn(50, 20, dtype=torch.float64) ** 3,
+        torch.zeros(300, dtype=torch.float64),
+        torch.randn(7, dtype=torch.float64),
+    ]
+    parts[0][:45] = 0
+    exact = sum(float(t.double().square().sum()) for t in parts)
+    other = [torch.randn_like(t) for t in parts]
+
+    def sketch(tensors, seed):
+        return count_sketch(tensors, 64, torch.Generator().manual_seed(seed))
+
+    both = sketch([a + b for a, b in zip(parts, other, strict=True)], 5)
+    torch.testing.assert_close(both, sketch(parts, 5) + sketch(other, 5), rtol=1e-12, atol=1e-12)
+    draws = torch.tensor([float(sketch(parts, seed).square().sum()) for seed in range(4000)])
+    stderr = float(draws.std()) / math.sqrt(len(draws))
+    print(
+        f"exact {exact:.3f}, sketched {float(draws.mean()):.3f} +- {stderr:.3f},"
+        f" one draw's relative sd {float(draws.std()) / exact:.3f}"
+    )
+    assert abs(float(draws.mean()) - exact) < 4 * stderr
+    assert float(draws.std()) / exact <= math.sqrt(2 / 64) * 1.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"beta": 1.0}, "beta"),
+        ({"beta": -0.1}, "beta"),
+        ({"measure": "norms"}, "measure"),
+        ({"sketch_size": 0}, "sketch_size"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_settings_are_refused_at_construction_by_name(kwargs, setting):
+    with pytest.raises(ValueError, match=setting):
+        GradientNoiseScale(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mode"),
+    [
+        (AllReduceStrategy(), "exact"),
+        (AllReduceStrategy(group_size=1), "exact"),
+        (OneBitSGDStrategy(num_quantization_bits=32), "exact"),
+        (OneBitSGDStrategy(), "sketch"),
+        (OneBitAdamStrategy(), "sketch"),
+        (SampledVocabStrategy(), "sketch"),
+    ],
+    ids=["allreduce", "two_level", "onebit_32", "onebit", "onebit_adam", "sampled_vocab"],
+)
+def test_each_gradient_scheme_is_measured_exactly_or_by_sketch(strategy, mode):
+    assert GradientNoiseScale()._mode_for(strategy, 2) == mode
+    assert GradientNoiseScale(measure="sketch")._mode_for(strategy, 2) == "sketch"
+    if mode == "sketch":
+        with pytest.raises(ValueError, match=r"measure='exact'.*compressed"):
+            GradientNoiseScale(measure="exact")._mode_for(strategy, 2)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "why"),
+    [
+        (ModelAveragingStrategy(), "never averages gradients per step"),
+        (BMUFStrategy(), "never averages gradients per step"),
+        (DiLoCoStrategy(), "never averages gradients per step"),
+        (StreamingDiLoCoStrategy(), "never averages gradients per step"),
+        (SparseLoCoStrategy(), "never averages gradients per step"),
+        (ParameterServerStrategy(), "never averages gradients per step"),
+        (ExpertParallelStrategy(), "experts' gradients live on different ranks"),
+        (DDPStrategy(), "average inside backward"),
+    ],
+    ids=["model_averaging", "bmuf", "diloco", "streaming", "sparseloco", "parameter_server", "expert", "ddp"],
+)
+def test_schemes_that_never_hold_both_gradients_are_refused_with_the_reason(strategy, why):
+    with pytest.raises(ValueError, match=why):
+        GradientNoiseScale()._mode_for(strategy, 2)
+
+
+def test_a_single_rank_is_refused():
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        GradientNoiseScale()._mode_for(AllReduceStrategy(), 1)
