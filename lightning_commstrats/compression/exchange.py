@@ -19,7 +19,10 @@ scheme composes with every codec:
   values in ``bits`` bits with their positions, all-gathered, and decayed error feedback), the rest
   in fused fp32 all-reduces; with ``topk_form="published"`` the chunks are 2-D tiles of up to
   ``topk_tile x topk_tile`` and the values go on a statistical grid with a per-tensor lookup, also
-  on one rank (:class:`~lightning_commstrats.compression.sparse_tiles.TiledSparseAllGather`).
+  on one rank (:class:`~lightning_commstrats.compression.sparse_tiles.TiledSparseAllGather`);
+- ``codec="statistical"``: tensors of more than ``small_tensor_numel`` values go dense in ``bits`` bits
+  on that statistical grid, all-gathered, with decayed error feedback
+  (:class:`~lightning_commstrats.compression.density.StatisticalAllGather`), the rest in fp32.
 
 Its state is the rank-local error-feedback residuals, keyed by tensor name
 (:meth:`TensorExchange.state_dict`). No Lightning here.
@@ -36,6 +39,7 @@ from torch import Tensor
 from lightning_commstrats.buckets import FlatBuffers, layout_key, plan_buckets, unflatten_into
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
+from lightning_commstrats.compression.density import StatisticalAllGather
 from lightning_commstrats.compression.quantizers import check_codec, make_codec
 from lightning_commstrats.compression.sparse import SparseAllGather, TopKCodec, check_sparse_args
 from lightning_commstrats.compression.sparse_tiles import TiledSparseAllGather, check_tiles_args
@@ -143,18 +147,22 @@ class TensorExchange:
         codec: ``"uniform"`` (default: two means at 1 bit, ``2^bits`` uniform levels between two
             float32 scales per line at 2, 4, 8 bits) or ``"e3m0"`` (``bits=4`` only: Streaming DiLoCo's
             4-bit float, ``+-scale * 2^e`` for ``e`` in -6..0 and zero, one float32 scale per line) or
-            ``"topk"`` (sparse: ``bits`` in 2, 4, 8, 32 is the width of the kept values).
+            ``"topk"`` (sparse: ``bits`` in 2, 4, 8, 32 is the width of the kept values) or
+            ``"statistical"`` (every value of tensors of more than ``small_tensor_numel`` values in ``bits``
+            = 2, 4 or 8 on the published statistical grid with a per-tensor lookup, all-gathered, with
+            decayed error feedback: :class:`~lightning_commstrats.compression.density.StatisticalAllGather`).
         topk_chunk: with ``codec="topk"``, values per chunk (SparseLoCo: 4096).
         topk_per_chunk: with ``codec="topk"``, values kept per chunk (SparseLoCo: 64).
-        error_feedback_decay: with ``codec="topk"``, the decay of the error feedback (SparseLoCo:
-            0.95); other codecs carry their residuals undecayed (1.0).
+        error_feedback_decay: with ``codec="topk"`` or ``"statistical"``, the decay of the error
+            feedback (SparseLoCo: 0.95); other codecs carry their residuals undecayed (1.0).
+        topk_sigmas: with ``topk_form="published"`` or ``codec="statistical"``, the statistical grid's
+            width in standard deviations (6).
         topk_form: with ``codec="topk"``, ``"chunks"`` (runs of ``topk_chunk`` consecutive values, the
             sign-and-magnitude code; skipped on one rank) or ``"published"`` (SparseLoCo as published:
             2-D tiles of up to ``topk_tile x topk_tile``, ``topk_per_chunk`` kept per tile, the
             statistical quantizer; on one rank too; see
             :mod:`~lightning_commstrats.compression.sparse_tiles`).
         topk_tile: with ``topk_form="published"``, the largest side of a tile (64).
-        topk_sigmas: with ``topk_form="published"``, the quantizer's width in standard deviations (6).
         residual_home: where the error-feedback residuals are kept between calls: ``None`` (where
             they are made, the tensors' device) or the host (``torch.device("cpu")``: pinned memory
             on a CUDA run; each comes to the device only while its tensor is encoded).
@@ -209,7 +217,11 @@ class TensorExchange:
         self.fused = BucketedAllReduce(comm, int(bucket_cap_mb * 2**20), keep_buffers=keep_buffers, average=average)
         self.codec = codec
         self.quantized: QuantizedAllReduce | SparseAllGather | None = None
-        if codec == "topk" and topk_form == "published":
+        if codec == "statistical":
+            self.quantized = StatisticalAllGather(
+                comm, bits=bits, sigmas=topk_sigmas, tag=f"{tag}_statistical", decay=error_feedback_decay
+            )
+        elif codec == "topk" and topk_form == "published":
             self.quantized = TiledSparseAllGather(
                 comm,
                 tile=topk_tile,

@@ -41,7 +41,7 @@ from torch import Tensor
 PACKED_BITS = (1, 2, 4, 8)
 CODEC_BITS = (1, 2, 4, 8, 16)
 CLIP_STDDEVS = {2: 2.0, 4: 2.7, 8: 4.0}
-CODECS = ("uniform", "e3m0", "topk")
+CODECS = ("uniform", "e3m0", "topk", "statistical")
 TOPK_BITS = (2, 4, 8, 32)  # the kept values' width with codec="topk" (32: float32 values)
 # E3M0's magnitudes, as fractions of the column's scale: code ``e`` in 1..7 is ``2^(e - 7)``, 0 is zero.
 # A value ``v = |x| / scale`` is rounded to the nearest one (ties away from zero): its code is the
@@ -261,17 +261,23 @@ def make_codec(codec: str, bits: int, half_dtype: torch.dtype = torch.float16) -
     check_codec(codec, bits)
     if codec == "topk":
         raise ValueError("codec='topk' is not a line codec: it is compression.sparse.TopKCodec")
+    if codec == "statistical":
+        raise ValueError("codec='statistical' is not a line codec: it is compression.density.StatisticalAllGather")
     return E3M0Codec() if codec == "e3m0" else ColumnCodec(bits, half_dtype)
 
 
 def check_codec(codec: str, bits: int, *, name: str = "codec", bits_name: str = "bits") -> None:
     """Raise ``ValueError`` unless ``codec`` is one of :data:`CODECS` and ``bits`` suits it (E3M0: 4 only;
-    top-k: :data:`TOPK_BITS`);
+    top-k: :data:`TOPK_BITS`; statistical: 2, 4, 8);
     ``name`` and ``bits_name`` are the caller's argument names."""
     if codec not in CODECS:
         raise ValueError(f"{name}={codec!r} is not supported; choose one of {CODECS}")
     if codec == "e3m0" and bits != 4:
         raise ValueError(f"{name}='e3m0' is a 4-bit format: it needs {bits_name}=4, got {bits_name}={bits!r}")
+    if codec == "statistical" and bits not in (2, 4, 8):
+        raise ValueError(
+            f"{name}='statistical' sends every value in (2, 4, 8) bits ({bits_name}), got {bits_name}={bits!r}"
+        )
     if codec == "topk" and bits not in TOPK_BITS:
         raise ValueError(
             f"{name}='topk' sends its kept values in {TOPK_BITS} bits ({bits_name}), got {bits_name}={bits!r}"

@@ -150,7 +150,8 @@ def check_sparse_args(
     codec: str, chunk: int, k: int, bits: int, decay: float, *, names: tuple[str, str, str, str, str]
 ) -> None:
     """Construction-time checks of the top-k settings (the bits only with ``codec="topk"``; a decay
-    other than 1 only with it); ``names`` are the caller's argument names for codec, chunk, k, bits, decay."""
+    other than 1 only with it or ``codec="statistical"``); ``names`` are the caller's argument names for
+    codec, chunk, k, bits, decay."""
     cn, c, kk, b, d = names
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
         raise ValueError(f"{c} must be an int >= 2, got {chunk!r}")
@@ -162,10 +163,10 @@ def check_sparse_args(
         )
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
         raise ValueError(f"{d} must be a number in (0, 1], got {decay!r}")
-    if codec != "topk" and decay != 1.0:
+    if codec not in ("topk", "statistical") and decay != 1.0:
         raise ValueError(
-            f"{d}={decay!r} applies to {cn}='topk' only (got {cn}={codec!r}): the other codecs carry their"
-            " residuals undecayed"
+            f"{d}={decay!r} applies to {cn}='topk' or 'statistical' only (got {cn}={codec!r}): the other codecs"
+            " carry their residuals undecayed"
         )
 
 

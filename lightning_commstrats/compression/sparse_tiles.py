@@ -34,14 +34,20 @@ decode it as its bin's mean), and the average is the plain mean over ranks (the 
 miners average the values sent at a position over the peers that sent it, and clip each peer's
 norm to the median's; the paper's algorithm is the plain mean).
 
-Wire format of one rank's payload (every rank's has the same size: it depends on the shapes only):
-the lookups (``T x 2^bits`` float32, tensor after tensor; none at 32 bits), then for each group of
-tensors whose tiles hold the same number of values (in the order of their first tensor) the
+A tile that keeps every one of its values (it holds at most ``k``: a bias's runs, or every tile
+when ``k`` is the whole tile, a dense sync of a density schedule or the dense codec of
+:mod:`~lightning_commstrats.compression.density`) sends no positions: its values travel in order,
+and an exact zero among them is a value like any other (quantized, its error kept).
+
+Wire format of one rank's payload (every rank's has the same size: it depends on the shapes and
+``k`` only, and ``k`` is the same on every rank at a sync): the lookups (``T x 2^bits`` float32,
+tensor after tensor; none at 32 bits), then for each group of tensors whose tiles hold the same
+number of values (in the order of their first tensor) and keep fewer than all of them the
 Elias-Fano code of its tiles' positions (tile after tile, tensor after tensor), then every kept
 value's code, ``bits`` each, packed as :func:`~lightning_commstrats.compression.pack_bits` packs
 them, group after group (at 32 bits the float32 values instead). Per 64 x 64 tile at the defaults:
 64 bytes of positions and 16 of codes, 80 bytes for 16 KiB of float32 (205 times fewer), plus 16
-bytes per tensor.
+bytes per tensor; a tile kept whole: 1,024 bytes of codes (16 times fewer).
 
 No Lightning here.
 """
@@ -202,6 +208,11 @@ class _Plan:
     groups: list[tuple[int, int, int]]  # (values per tile, kept per tile, tiles) of each group
     ids: dict[torch.device, Tensor]  # the tensor of every kept value, group after group
 
+    @staticmethod
+    def whole(group: tuple[int, int, int]) -> bool:
+        """Whether a group's tiles keep every value (no top-k, no positions on the wire)."""
+        return group[1] == group[0]
+
     def value_ids(self, device: torch.device) -> Tensor:
         if device not in self.ids:
             rows = [[] for _ in self.groups]
@@ -220,7 +231,8 @@ class TiledSparseAllGather(SparseAllGather):
     Args:
         comm: the ranks' communicator.
         tile: the largest side of a tile (64).
-        k: values kept per tile (64; all of a tile of at most ``k`` values).
+        k: values kept per tile (64; all of a tile of at most ``k`` values). An attribute a caller
+            may change between calls (a density schedule), the same on every rank at each call.
         bits: 2, 4, 8 (the statistical grid's ``2^bits`` bins) or 32 (float32 values).
         sigmas: the grid's width in standard deviations (6).
         tag: the traffic tag for :class:`~lightning_commstrats.comm.CommStats`.
@@ -253,11 +265,11 @@ class TiledSparseAllGather(SparseAllGather):
         self.home: torch.device | None = None
         self.nonfinite: list[str] = []
         self._pending: dict[str, Tensor] | None = None
-        self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
+        self._plans: dict[tuple[tuple[int, ...] | int, ...], _Plan] = {}
 
     def plan(self, shapes: list[tuple[int, ...]]) -> _Plan:
-        """The tiles and groups of tensors of ``shapes`` (in call order), made once per layout."""
-        key = tuple(shapes)
+        """The tiles and groups of tensors of ``shapes`` (in call order), made once per layout and ``k``."""
+        key = (*shapes, self.k)
         if key not in self._plans:
             specs = [tile_spec(s, self.tile) for s in shapes]
             sizes: list[int] = []
@@ -281,7 +293,8 @@ class TiledSparseAllGather(SparseAllGather):
         kept = sum(k * rows for _, k, rows in plan.groups)
         lookups = 0 if self.quantizer is None else 4 * len(shapes) * self.quantizer.bins
         values = 4 * kept if self.quantizer is None else packed_bytes(kept, self.bits)
-        return lookups + sum(sum(positions_bytes(rows, n, k)) for n, k, rows in plan.groups) + values
+        positions = sum(sum(positions_bytes(rows, n, k)) for n, k, rows in plan.groups if k < n)
+        return lookups + positions + values
 
     def __call__(self, grads: Mapping[str, Tensor], *, commit: bool = True) -> dict[str, Tensor]:
         """Return the average over ranks of each tensor in ``grads`` (same shapes, float32); with
@@ -298,11 +311,16 @@ class TiledSparseAllGather(SparseAllGather):
             if res is not None and res.shape == e.shape:
                 e = res.mul(self.decay).add_(e) if self.decay != 1.0 else res.add(e)
             to_tiles(e, spec, blocks[g][row : row + spec.tiles])
-        # top-k per tile, one batched topk per group of tiles of one size; a kept 0 is an empty slot
-        kept = [select_topk(block, k) for block, (_, k, _) in zip(blocks, plan.groups, strict=True)]
-        empty = torch.cat([(pos == n).view(-1) for (pos, _), (n, _, _) in zip(kept, plan.groups, strict=True)])
-        values = torch.cat([v.view(-1) for _, v in kept])
-        parts = [encode_positions(pos, n, k) for (pos, _), (n, k, _) in zip(kept, plan.groups, strict=True)]
+        # top-k per tile, one batched topk per group of tiles of one size; a kept 0 is an empty slot. A
+        # group kept whole: every value in order, no positions (None), no empty slot
+        kept = [(None, b) if k == n else select_topk(b, k) for b, (n, k, _) in zip(blocks, plan.groups, strict=True)]
+        empty = self._empty(kept, plan)
+        values = torch.cat([v.reshape(-1) for _, v in kept])
+        parts = [
+            encode_positions(pos, n, k)
+            for (pos, _), (n, k, _) in zip(kept, plan.groups, strict=True)
+            if pos is not None
+        ]
         if self.quantizer is None:
             payload = torch.cat([*parts, values.view(torch.uint8)])
             sent = values
@@ -314,13 +332,20 @@ class TiledSparseAllGather(SparseAllGather):
         # what was not sent stays in e (an empty slot adds 0 at its tile's last value: no change)
         offset = 0
         for block, (pos, _), (n, k, rows) in zip(blocks, kept, plan.groups, strict=True):
-            block.scatter_add_(1, pos.clamp(max=n - 1), sent[offset : offset + rows * k].view(rows, k).neg())
+            mine = sent[offset : offset + rows * k].view(rows, k)
+            if pos is None:
+                block.sub_(mine)
+            else:
+                block.scatter_add_(1, pos.clamp(max=n - 1), mine.neg())
             offset += rows * k
         everything = self.comm.all_gather(payload, tag=self.tag)
         acc = [torch.zeros_like(block) for block in blocks]
         for r in range(self.comm.world_size):  # rank order: every rank adds the same values in the same order
             for a, (pos, vals) in zip(acc, self._decode(everything[r], plan, len(names)), strict=True):
-                a.scatter_add_(1, pos.clamp_(max=a.shape[1] - 1), vals)
+                if pos is None:
+                    a.add_(vals)
+                else:
+                    a.scatter_add_(1, pos.clamp_(max=a.shape[1] - 1), vals)
         result: dict[str, Tensor] = {}
         new_res: dict[str, Tensor] = {}
         flags: list[Tensor] = []
@@ -337,15 +362,29 @@ class TiledSparseAllGather(SparseAllGather):
             self.commit()
         return result
 
-    def _decode(self, payload: Tensor, plan: _Plan, tensors: int) -> list[tuple[Tensor, Tensor]]:
-        """Each group's positions ``[tiles, k]`` (``n``: an empty slot) and values from one rank's payload."""
+    @staticmethod
+    def _empty(kept: list[tuple[Tensor | None, Tensor]], plan: _Plan) -> Tensor:
+        """Which kept slots are empty, flat, group after group (none in a group kept whole)."""
+        return torch.cat(
+            [
+                (pos == n).view(-1) if pos is not None else torch.zeros(v.numel(), dtype=torch.bool, device=v.device)
+                for (pos, v), (n, _, _) in zip(kept, plan.groups, strict=True)
+            ]
+        )
+
+    def _decode(self, payload: Tensor, plan: _Plan, tensors: int) -> list[tuple[Tensor | None, Tensor]]:
+        """Each group's positions ``[tiles, k]`` (``n``: an empty slot; ``None`` for a group kept whole)
+        and values from one rank's payload."""
         at = 0
         levels = None
         if self.quantizer is not None:
             at = 4 * tensors * self.quantizer.bins
             levels = _view(payload[:at], torch.float32).view(tensors, self.quantizer.bins)
-        positions = []
+        positions: list[Tensor | None] = []
         for n, k, rows in plan.groups:
+            if k == n:
+                positions.append(None)
+                continue
             size = sum(positions_bytes(rows, n, k))
             positions.append(decode_positions(payload[at : at + size], rows, n, k))
             at += size
@@ -355,7 +394,10 @@ class TiledSparseAllGather(SparseAllGather):
         else:
             assert self.quantizer is not None
             codes = unpack_bits(payload[at:], self.bits, kept)
-            empty = torch.cat([(pos == n).view(-1) for pos, (n, _, _) in zip(positions, plan.groups, strict=True)])
+            empty = self._empty(
+                [(pos, codes.new_empty(k * rows)) for pos, (_, k, rows) in zip(positions, plan.groups, strict=True)],
+                plan,
+            )
             values = self.quantizer.decode(codes, plan.value_ids(payload.device), levels, empty)
         out, offset = [], 0
         for pos, (_, k, rows) in zip(positions, plan.groups, strict=True):

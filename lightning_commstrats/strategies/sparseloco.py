@@ -3,12 +3,16 @@ momentum (Sarfi et al. 2025)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_commstrats.compression.sparse_tiles import TOPK_FORMS, thin_tiles
+from lightning_commstrats.comm import Communicator
+from lightning_commstrats.compression.density import DensitySchedule, check_schedule
+from lightning_commstrats.compression.exchange import TensorExchange
+from lightning_commstrats.compression.sparse_tiles import TOPK_FORMS, TiledSparseAllGather, thin_tiles
 from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy, refuse_outer_arguments
 from lightning_commstrats.strategies.streaming_diloco import default_delay
@@ -163,11 +167,17 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         topk_tile: int | None = None,
         topk_sigmas: float | None = None,
         small_tensor_numel: int | None = None,
+        topk_schedule: str | list[int] | None = None,
         **kwargs: Any,
     ) -> None:
         if topk_form not in TOPK_FORMS:
             raise ValueError(f"topk_form={topk_form!r} is not supported; choose one of {TOPK_FORMS}")
         published = topk_form == "published"
+        if topk_schedule is not None and not published:
+            raise ValueError(
+                f"topk_schedule={topk_schedule!r} applies to topk_form='published' (values kept per tile),"
+                f" not to topk_form={topk_form!r}"
+            )
         # each form's own settings: one given to the other form is refused rather than ignored
         given = {"topk_chunk": topk_chunk} if published else {"topk_tile": topk_tile, "topk_sigmas": topk_sigmas}
         for name, value in given.items():
@@ -220,6 +230,59 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
             keep_local_progress=keep_local_progress,
             **kwargs,
         )
+        if published:  # the tile's checks first (an int tile), then the schedule's against it
+            check_schedule(topk_schedule, topk_per_chunk, topk_tile * topk_tile)
+        self.topk_schedule = topk_schedule
+        self.density = DensitySchedule(topk_schedule, topk_per_chunk, topk_tile * topk_tile) if published else None
+        self.run_syncs: int | None = None  # the syncs this fit will have, known at its first batch
+        self.kept_now = topk_per_chunk  # values kept per tile at the sync being launched
+
+    def sync_index(self) -> int:
+        """Which sync of the run the one due now is (0: the first): from the progress that checkpoints
+        and healing replicas carry, so a resumed run and every replica find the same place in the
+        schedule without a counter of their own."""
+        return max(0, math.ceil((self._progress() - self.parallelization_start) / self.sync_period) - 1)
+
+    def _set_kept(self, exchange: TensorExchange | None) -> None:
+        if exchange is not None and isinstance(exchange.quantized, TiledSparseAllGather):
+            exchange.quantized.k = self.kept_now
+
+    @override
+    def _make_exchange(self, comm: Communicator) -> TensorExchange:
+        exchange = super()._make_exchange(comm)
+        self._set_kept(exchange)
+        return exchange
+
+    @override
+    def _launch(self, fragment: int, background: bool) -> None:
+        if self.density is not None:  # set in this thread, before the exchange's thread reads it
+            self.kept_now = self.density.kept(self.sync_index(), self.run_syncs)
+            self._set_kept(self._exchange)
+        super()._launch(fragment, background)
+
+    @override
+    def warn_if_no_sync(self, batch_size: int) -> int | None:
+        first = super().warn_if_no_sync(batch_size)
+        trainer = self.trainer
+        total = getattr(trainer, "estimated_stepping_batches", None) if trainer is not None else None
+        if not isinstance(total, (int, float)) or not math.isfinite(total) or total <= 0:
+            return first
+        per_step = batch_size * getattr(trainer, "accumulate_grad_batches", 1) if self.schedule_counts_samples() else 1
+        self.run_syncs = max(0, int(total) * per_step - self.parallelization_start) // self.sync_period
+        published = self.topk_form == "published"
+        full = self.topk_tile * self.topk_tile if published else self.topk_chunk
+        needed = math.ceil(full / self.topk_per_chunk)
+        if first is None and self.topk_schedule is None and self.run_syncs < needed:
+            unit = "tile" if published else "chunk"
+            rank_zero_warn(
+                f"{type(self).__name__}: this fit will have {self.run_syncs} syncs ({int(total)} optimizer steps,"
+                f" sync_period={self.sync_period} {self.sync_period_unit}); keeping {self.topk_per_chunk} of"
+                f" {full} values per {unit}, the error feedback needs about {needed} syncs to send each value"
+                " once, and a shorter run leaves most of its progress unsent (it can end worse than the ranks"
+                " training alone). Pass topk_form='published' with topk_schedule='run' (dense first syncs,"
+                " sparser later), or keep more per chunk (topk_per_chunk), or sync more often (sync_period)."
+            )
+        return first
 
     @override
     def setup_scheme(self) -> None:

@@ -111,8 +111,8 @@ def test_payload_bytes_by_hand():
     per_tile = 64 * 6 // 8 + 128 // 8 + 64 * 2 // 8
     assert per_tile == 80
     assert ex.payload_bytes([(128, 192)]) == 16 + 6 * per_tile
-    # a 1024-value bias: 16 runs of 64, every value kept: no low bits, a vector of 128 bits per run
-    assert ex.payload_bytes([(1024,)]) == 16 + 16 * (128 // 8) + 1024 * 2 // 8
+    # a 1024-value bias: 16 runs of 64, every value kept: no positions at all, the codes in order
+    assert ex.payload_bytes([(1024,)]) == 16 + 1024 * 2 // 8
     # 100 x 48: tiles of 50 x 48 (2400 values), 64 kept: 5 low bits (2400 / 64 = 37.5), a vector of 64 +
     # (2399 >> 5) + 1 = 139 bits per tile, the two tiles' vectors packed together (278 bits: 35 bytes)
     assert ex.payload_bytes([(100, 48)]) == 16 + math.ceil(128 * 5 / 8) + math.ceil(278 / 8) + 128 * 2 // 8

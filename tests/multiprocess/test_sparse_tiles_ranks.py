@@ -80,11 +80,11 @@ def test_published_averages_weights_and_bytes_on_three_ranks():
     # tiles of 64 values (4 low bits per position, as 64 / 4 = 2^4: 32 x 4 bits = 16 bytes; a vector of
     # 4 + 3 + 1 = 8 bits per tile: 8 bytes); layer.0.bias [16] 2 runs of 8 (1 low bit: 1 byte; 2
     # vectors of 4 + 3 + 1 bits: 2 bytes); layer.2.weight [2, 16] 2 tiles of 2 x 8 (2 low bits: 2
-    # bytes; 2 vectors of 4 + 3 + 1: 2 bytes); layer.2.bias [2] one run of 2, both kept (no low bits;
-    # a vector of 2 + 1 + 1 bits: 1 byte). 32 + 8 + 8 + 2 = 50 codes of 2 bits: 13 bytes. A lookup of
-    # 4 float32 per tensor: 64 bytes. 64 + 24 + 3 + 4 + 1 + 13 = 109; a ring all-gather sends the two
+    # bytes; 2 vectors of 4 + 3 + 1: 2 bytes); layer.2.bias [2] one run of 2, kept whole (no
+    # positions). 32 + 8 + 8 + 2 = 50 codes of 2 bits: 13 bytes. A lookup of 4 float32 per tensor: 64
+    # bytes. 64 + 24 + 3 + 4 + 13 = 108; a ring all-gather sends the two
     # other ranks' payloads; nothing dense (every tensor sparse), no gradient traffic.
-    payload = 64 + (16 + 8) + (1 + 2) + (2 + 2) + 1 + 13
+    payload = 64 + (16 + 8) + (1 + 2) + (2 + 2) + 13
     for res in results:
         stats = res["blocking"]["stats"]
         assert stats["weights_sparse/bytes_sent"] == 2 * (world - 1) * payload
