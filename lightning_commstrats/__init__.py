@@ -13,6 +13,7 @@ and with Fabric's ``STRATEGY_REGISTRY`` (``L.Fabric(strategy="bmuf")``, see
 """
 
 from lightning_commstrats._registry import register_strategies, suggest_names_in_trainer
+from lightning_commstrats.batching import GradientNoiseScale
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
 from lightning_commstrats.fabric import FabricStrategy, register_fabric_strategies
@@ -51,6 +52,7 @@ __all__ = [
     "ExpertParallelStrategy",
     "FabricStrategy",
     "FaultTolerance",
+    "GradientNoiseScale",
     "LayeredMixedPrecision",
     "LocalSGDStrategy",
     "ModelAveragingStrategy",

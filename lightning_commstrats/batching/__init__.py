@@ -1,5 +1,6 @@
 """Batch sizes that change during fit: the mechanism (:mod:`.resize`) and the callbacks that use it."""
 
+from lightning_commstrats.batching.noise_scale import GradientNoiseScale
 from lightning_commstrats.batching.resize import (
     BATCH_SIZE_KEY,
     LR_SCALINGS,
@@ -17,6 +18,7 @@ from lightning_commstrats.batching.resize import (
 __all__ = [
     "BATCH_SIZE_KEY",
     "LR_SCALINGS",
+    "GradientNoiseScale",
     "ResizableBatchSampler",
     "current_batch_size",
     "in_trial",

@@ -33,6 +33,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_commstrats.batching.resize import (
+    LR_SCALINGS,
+    current_batch_size,
+    in_trial,
+    log_batch_size,
+    make_resizable,
+    set_batch_size,
+)
+
 log = logging.getLogger(__name__)
 
 MEASURES = ("auto", "exact", "sketch")
@@ -157,9 +166,22 @@ class GradientNoiseScale(Callback):
        ``B_simple`` is their ratio; every rank computes the same numbers.
 
     Logged every step (subject to the Trainer's ``log_every_n_steps``): ``train/noise_scale``
-    (``B_simple`` in samples; NaN while the average of ``|G|^2`` is not yet positive),
-    ``train/batch_size`` (samples per optimizer step over all ranks), ``train/gradient_sq`` and
+    (``B_simple`` in samples over all ranks; NaN while the average of ``|G|^2`` is not yet
+    positive), ``train/batch_size`` (per rank, the size of the next batch, as
+    :func:`~lightning_commstrats.batching.log_batch_size` logs it), ``train/gradient_sq`` and
     ``train/gradient_trace`` (the two moving averages).
+
+    Batch-size warm-up (with ``max_batch_size``): every ``check_every_n_steps`` optimizer steps, if
+    ``growth_factor`` times the global batch (``world_size`` x the per-rank batch) is still at most
+    ``scale`` times the measured noise scale, the per-rank batch grows by ``growth_factor`` (up to
+    ``max_batch_size``) through :func:`~lightning_commstrats.batching.set_batch_size`: every rank
+    takes the same size (the noise scale is the same number on every rank, and ``set_batch_size``
+    checks it), from the next batch on, and no sample of the epoch is dropped or repeated (an epoch
+    whose batches grow has fewer of them; see :mod:`lightning_commstrats.batching.resize`). The batch
+    never shrinks. McCandlish et al. find that training near ``B_simple`` balances steps against
+    samples; Merrill et al. (2025) grow the batch as the critical batch size rises early in training.
+    Steps of AutoAdjust's trial mini-epochs (:func:`~lightning_commstrats.batching.in_trial`) are
+    not measured.
 
     What each scheme lets it measure:
 
@@ -191,6 +213,16 @@ class GradientNoiseScale(Callback):
         sketch_size: buckets of the count sketch (default 256: 2 KiB a step, at most 9% relative
             noise on ``|G_big|^2``, which the moving average then smooths).
         seed: seeds the sketch's hashes, drawn afresh every step alike on every rank.
+        max_batch_size: the largest per-rank batch, in samples; ``None`` (the default): measure and
+            log only, never change the batch.
+        min_batch_size: the per-rank batch to start from, in samples (``None``: the DataLoader's).
+        growth_factor: the factor by which the batch grows at a check (> 1; default 2). Smaller
+            factors follow the noise scale more closely, with more changes.
+        check_every_n_steps: optimizer steps between two checks (default 50); the first check
+            waits as long, for the moving averages to settle. About ``1 / (1 - beta)`` or more.
+        scale: grow while the grown global batch stays at most ``scale x B_simple`` (default 1).
+        lr_scaling: how the learning rate follows the batch: ``"none"`` (default), ``"linear"``
+            (the rate per sample stays) or ``"sqrt"`` (see :func:`~lightning_commstrats.batching.lr_scale`).
 
     Reference: S. McCandlish, J. Kaplan, D. Amodei and the OpenAI Dota Team, "An Empirical Model of
     Large-Batch Training", arXiv:1812.06162, 2018, Appendix A.
@@ -212,6 +244,12 @@ class GradientNoiseScale(Callback):
         measure: str = "auto",
         sketch_size: int = 256,
         seed: int = 0,
+        max_batch_size: int | None = None,
+        min_batch_size: int | None = None,
+        growth_factor: float = 2.0,
+        check_every_n_steps: int = 50,
+        scale: float = 1.0,
+        lr_scaling: str = "none",
     ) -> None:
         if measure not in MEASURES:
             raise ValueError(f"measure={measure!r} is not supported; choose one of {MEASURES}")
@@ -219,12 +257,35 @@ class GradientNoiseScale(Callback):
             raise ValueError(f"sketch_size must be a positive int (buckets), got {sketch_size!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        for name, value in (("max_batch_size", max_batch_size), ("min_batch_size", min_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 (samples per rank) or None, got {value!r}")
+        if max_batch_size is not None and min_batch_size is not None and max_batch_size < min_batch_size:
+            raise ValueError(f"max_batch_size={max_batch_size} is below min_batch_size={min_batch_size}")
+        if min_batch_size is not None and max_batch_size is None:
+            raise ValueError("min_batch_size is given without max_batch_size: pass max_batch_size to grow the batch")
+        if isinstance(growth_factor, bool) or not isinstance(growth_factor, (int, float)) or not growth_factor > 1:
+            raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
+        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be an int >= 1 (optimizer steps), got {check_every_n_steps!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"scale must be a number > 0, got {scale!r}")
+        if lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"lr_scaling={lr_scaling!r} is not supported; choose one of {LR_SCALINGS}")
         self.estimator = NoiseScaleEstimator(beta)
+        self.max_batch_size = max_batch_size
+        self.min_batch_size = min_batch_size
+        self.growth_factor = float(growth_factor)
+        self.check_every_n_steps = check_every_n_steps
+        self.scale = float(scale)
+        self.lr_scaling = lr_scaling
+        self.history: list[tuple[int, int]] = []  # (optimizer step, per-rank batch) at every change
+        self._resumed_size: int | None = None  # the per-rank batch a checkpoint had grown to
+        self._checked_at = 0
         self.measure = measure
         self.sketch_size = sketch_size
         self.seed = seed
         self.mode: str | None = None  # "exact" or "sketch", decided at setup from the strategy
-        self.batch_size: int | None = None  # samples per optimizer step over all ranks, last measured
         self._strategy: Any = None
         self._samples = 0  # this rank's samples since the last optimizer step
         self._local: Tensor | None = None  # [b, b^2, |g_r|^2, sketch...] of the step in progress
@@ -309,6 +370,52 @@ class GradientNoiseScale(Callback):
             raise ValueError(
                 f"GradientNoiseScale measures the gradient of one optimizer; this module has {len(trainer.optimizers)}"
             )
+        self._checked_at = trainer.global_step
+        if self.max_batch_size is None:
+            return
+        make_resizable(trainer)
+        start = self._resumed_size or self.min_batch_size or current_batch_size(trainer)
+        if start > self.max_batch_size:
+            raise ValueError(
+                f"GradientNoiseScale: max_batch_size={self.max_batch_size} is below the batch size in use,"
+                f" {start} samples per rank"
+            )
+        if start != current_batch_size(trainer):
+            set_batch_size(trainer, start)  # a resumed run keeps the rate its checkpoint holds
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.max_batch_size is not None:
+            make_resizable(trainer)  # a reloaded DataLoader is a new one
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if in_trial(trainer):
+            return
+        step = trainer.global_step
+        if self.max_batch_size is not None and step - self._checked_at >= self.check_every_n_steps:
+            self._checked_at = step
+            self.grow(trainer)
+        log_batch_size(pl_module)
+
+    def grow(self, trainer: pl.Trainer) -> int:
+        """Collective (every rank calls it at the same step). Grow the per-rank batch by
+        ``growth_factor`` if the grown global batch stays within ``scale x B_simple`` and
+        ``max_batch_size``; returns the per-rank batch from the next batch on."""
+        assert self.max_batch_size is not None
+        size = current_batch_size(trainer)
+        grown = min(self.max_batch_size, max(size + 1, round(size * self.growth_factor)))
+        noise_scale = self.estimator.noise_scale  # the same number on every rank
+        if size >= self.max_batch_size or math.isnan(noise_scale):
+            return size
+        if grown * trainer.world_size > self.scale * noise_scale:
+            return size
+        set_batch_size(trainer, grown, lr_scaling=self.lr_scaling)
+        self.history.append((trainer.global_step, grown))
+        log.info("noise scale %.1f: batch %d -> %d samples per rank", noise_scale, size, grown)
+        return grown
 
     @override
     def on_train_batch_start(
@@ -318,6 +425,8 @@ class GradientNoiseScale(Callback):
 
     def _observe(self, optimizer: Optimizer) -> None:
         """Before the exchange: this rank's own gradient, complete and unscaled."""
+        if in_trial(self._strategy.lightning_module.trainer):
+            return  # AutoAdjust's trial steps are rolled back: not training to measure
         grads = _grads(optimizer)
         b = float(self._samples)
         device = grads[0].device if grads else torch.device("cpu")
@@ -342,7 +451,6 @@ class GradientNoiseScale(Callback):
         world = strategy.world_size
         mean = strategy.comm.all_reduce(local.clone(), "avg", tag="noise_scale")
         b, b_sq, small_sq = (float(v) for v in mean[:3].cpu())
-        self.batch_size = round(b * world)
         if b_sq != b * b or b < 1:  # the ranks' batches differ in size: no pair of batch sizes to compare
             log.debug("noise scale: step with uneven batches (per-rank %d samples here) not measured", samples)
             noise_scale = self.estimator.noise_scale
@@ -353,7 +461,6 @@ class GradientNoiseScale(Callback):
                 big_sq = float(_squared_norm(_grads(optimizer)))
             noise_scale = self.estimator.update(small_sq, big_sq, b, b * world)
         pl_module.log("train/noise_scale", noise_scale, on_step=True, on_epoch=False)
-        pl_module.log("train/batch_size", float(self.batch_size), on_step=True, on_epoch=False)
         pl_module.log("train/gradient_sq", self.estimator.gradient_sq, on_step=True, on_epoch=False)
         pl_module.log("train/gradient_trace", self.estimator.trace, on_step=True, on_epoch=False)
 
@@ -361,11 +468,14 @@ class GradientNoiseScale(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"estimator": self.estimator.state_dict()}
+        size = self.history[-1][1] if self.history else self._resumed_size
+        return {"estimator": self.estimator.state_dict(), "batch_size": size, "history": list(self.history)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state_dict["estimator"])
+        self._resumed_size = state_dict.get("batch_size")
+        self.history = [tuple(h) for h in state_dict.get("history", [])]
 
 
 def _grads(optimizer: Optimizer) -> list[Tensor]:
