@@ -35,6 +35,7 @@ from lightning_commstrats.strategies import (
     SampledVocabStrategy,
     SparseLoCoStrategy,
     StreamingDiLoCoStrategy,
+    ZeroOneAdamStrategy,
 )
 
 __version__ = "0.1.0"
@@ -63,6 +64,7 @@ __all__ = [
     "SampledVocabStrategy",
     "SparseLoCoStrategy",
     "StreamingDiLoCoStrategy",
+    "ZeroOneAdamStrategy",
     "register_fabric_strategies",
     "register_strategies",
 ]

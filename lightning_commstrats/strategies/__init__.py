@@ -13,6 +13,7 @@ from lightning_commstrats.strategies.periodic import ModelAveragingStrategy, Per
 from lightning_commstrats.strategies.sampled_vocab import SampledVocabStrategy
 from lightning_commstrats.strategies.sparseloco import SparseLoCoStrategy
 from lightning_commstrats.strategies.streaming_diloco import StreamingDiLoCoStrategy
+from lightning_commstrats.strategies.zero_one_adam import ZeroOneAdamStrategy
 
 STRATEGIES: tuple[type[CommStrategy], ...] = (
     AllReduceStrategy,
@@ -27,6 +28,7 @@ STRATEGIES: tuple[type[CommStrategy], ...] = (
     ExpertParallelStrategy,
     ParameterServerStrategy,
     OneBitAdamStrategy,
+    ZeroOneAdamStrategy,
 )
 
 __all__ = [
@@ -45,4 +47,5 @@ __all__ = [
     "SampledVocabStrategy",
     "SparseLoCoStrategy",
     "StreamingDiLoCoStrategy",
+    "ZeroOneAdamStrategy",
 ]

@@ -57,18 +57,18 @@ class FrozenVarianceAdam:
         self.frozen_at: dict[str, int] = {}  # parameter name -> optimizer step count at the freeze
 
     @staticmethod
-    def check_optimizer(optimizer: Optimizer) -> None:
+    def check_optimizer(optimizer: Optimizer, scheme: str = "onebit_adam") -> None:
         """Raise ``ValueError`` unless ``optimizer`` is an Adam this class can continue."""
         if not isinstance(optimizer, Adam):
             raise ValueError(
-                f"onebit_adam needs torch.optim.Adam or torch.optim.AdamW from configure_optimizers,"
+                f"{scheme} needs torch.optim.Adam or torch.optim.AdamW from configure_optimizers,"
                 f" got {type(optimizer).__name__} (for SGD-style optimizers use onebit_sgd)"
             )
         for i, group in enumerate(optimizer.param_groups):
             for key in ("amsgrad", "maximize", "differentiable", "capturable"):
                 if group.get(key):
                     raise ValueError(
-                        f"onebit_adam continues Adam with its variance frozen, which has no {key}=True form:"
+                        f"{scheme} continues Adam with its variance frozen, which has no {key}=True form:"
                         f" param group {i} of {type(optimizer).__name__} sets it"
                     )
 
@@ -143,6 +143,35 @@ class FrozenVarianceAdam:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.frozen_at = {str(k): int(v) for k, v in state.get("frozen_at", {}).items()}
+
+
+def refuse_grad_scaler(strategy: Any, scheme: str) -> None:
+    """Refuse a precision plugin with torch's ``GradScaler`` (``precision="16-mixed"``): a scheme that
+    takes Adam's step at the exchange steps on gradients the scaler has not unscaled yet, and
+    ``scaler.step`` then finds no gradient it checked."""
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"{scheme} takes Adam's step itself at the exchange, which torch's GradScaler"
+            f" ({type(strategy.precision_plugin).__name__}, precision='16-mixed') cannot follow: use"
+            " precision='bf16-mixed' or '32-true', or lightning_commstrats.LayeredMixedPrecision"
+        )
+
+
+def clip_like_the_trainer(strategy: Any, params: Sequence[torch.nn.Parameter]) -> None:
+    """The Trainer's gradient clipping, applied now to the gradients ``params`` hold (Lightning clips
+    after the exchange, which is too late for a scheme that takes its step at the exchange)."""
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    value = getattr(trainer, "gradient_clip_val", None)
+    if not value:
+        return
+    for p in params:
+        dense_grad(p)
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    if str(getattr(algorithm, "value", algorithm)) == "value":
+        torch.nn.utils.clip_grad_value_(params, float(value))
+    else:
+        torch.nn.utils.clip_grad_norm_(params, float(value))
 
 
 class OneBitAdamStrategy(AllReduceStrategy):
@@ -242,18 +271,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             self.adam.check_optimizer(optimizer)
-        self.check_precision()
-
-    def check_precision(self) -> None:
-        """Refuse a precision plugin with torch's ``GradScaler`` (``precision="16-mixed"``): after the
-        freeze this strategy takes the step at the exchange, on gradients the scaler has not
-        unscaled yet, and ``scaler.step`` then finds no gradient it checked."""
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "onebit_adam takes Adam's step itself after the freeze, which torch's GradScaler"
-                f" ({type(self.precision_plugin).__name__}, precision='16-mixed') cannot follow: use"
-                " precision='bf16-mixed' or '32-true', or lightning_commstrats.LayeredMixedPrecision"
-            )
+        refuse_grad_scaler(self, "onebit_adam")
 
     @override
     def on_train_start(self) -> None:
@@ -275,28 +293,12 @@ class OneBitAdamStrategy(AllReduceStrategy):
         params = trainable_params(optimizer)
         if self._fused is not None and self._fused.buffers("grad") is not None:  # the warm-up buckets: unused now
             self._fused.release("grad")
-        self._clip_local(optimizer, params)
+        clip_like_the_trainer(self, params)
         self.adam.local_momentum(optimizer, params)
         if self.world_size > 1:
             self.exchange_compressed(self.compression, params)  # the momentum, averaged in place
         if not self._nonfinite_names:  # else the nonfinite policy decides (the step is not taken)
             self.adam.step(optimizer, params, [self.param_name(p) for p in params])
-
-    def _clip_local(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> None:
-        """The Trainer's gradient clipping, on this rank's gradient (Lightning clips after the
-        exchange, which after the freeze is where the step is taken)."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        value = getattr(trainer, "gradient_clip_val", None)
-        if not value:
-            return
-        for p in params:
-            dense_grad(p)
-        algorithm = getattr(trainer, "gradient_clip_algorithm", None)
-        if str(getattr(algorithm, "value", algorithm)) == "value":
-            torch.nn.utils.clip_grad_value_(params, float(value))
-        else:
-            torch.nn.utils.clip_grad_norm_(params, float(value))
 
     # ------------------------------------------------------------------ checkpointed state
 

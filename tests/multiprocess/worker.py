@@ -590,6 +590,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[st
         "world_size": trainer.world_size,
         "trace": trace.steps,
         "step_bytes": trace.step_bytes,
+        "total_bytes": strategy.comm_stats.snapshot().as_dict() if ours else {},
         "clip_untouched": clip_check.same,
         "validated": trace.validated,
         "rows": trace.rows,
