@@ -13,7 +13,7 @@ and with Fabric's ``STRATEGY_REGISTRY`` (``L.Fabric(strategy="bmuf")``, see
 """
 
 from lightning_commstrats._registry import register_strategies, suggest_names_in_trainer
-from lightning_commstrats.batching import GradientNoiseScale
+from lightning_commstrats.batching import AutoAdjust, GradientNoiseScale
 from lightning_commstrats.callbacks import CommStatsMonitor
 from lightning_commstrats.comm import CommSnapshot, CommStats, Communicator
 from lightning_commstrats.fabric import FabricStrategy, register_fabric_strategies
@@ -43,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "STRATEGIES",
     "AllReduceStrategy",
+    "AutoAdjust",
     "BMUFStrategy",
     "CommSnapshot",
     "CommStats",

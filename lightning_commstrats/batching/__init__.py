@@ -1,5 +1,6 @@
 """Batch sizes that change during fit: the mechanism (:mod:`.resize`) and the callbacks that use it."""
 
+from lightning_commstrats.batching.auto_adjust import AutoAdjust
 from lightning_commstrats.batching.noise_scale import GradientNoiseScale
 from lightning_commstrats.batching.resize import (
     BATCH_SIZE_KEY,
@@ -18,6 +19,7 @@ from lightning_commstrats.batching.resize import (
 __all__ = [
     "BATCH_SIZE_KEY",
     "LR_SCALINGS",
+    "AutoAdjust",
     "GradientNoiseScale",
     "ResizableBatchSampler",
     "current_batch_size",

@@ -247,7 +247,12 @@ def make_resizable(trainer: pl.Trainer) -> ResizableBatchSampler:
     assert combined is not None
     combined.flattened = [new]
     if fetcher is not None:
-        iter(fetcher)  # the loop's iterator over the new DataLoader (nothing was drawn from the old one)
+        # the loop's iterator over the new DataLoader (nothing was drawn from the old one); making
+        # it draws a worker seed from the global generator, which the old iterator did already: put
+        # the generator back so the run's random numbers are those of a run without this
+        rng = torch.get_rng_state()
+        iter(fetcher)
+        torch.set_rng_state(rng)
     state.sampler, state.loader = sampler, new
     refresh_lengths(trainer)
     return sampler

@@ -1,0 +1,197 @@
+"""AutoAdjust on one process: CNTK's candidate sizes, the choice on constructed losses whose answer is
+known, a search that changes nothing, and the settings it refuses."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_commstrats import AutoAdjust
+from lightning_commstrats.batching import current_batch_size, in_trial
+
+
+class Rows(Dataset):
+    """Sample ``i``: features ``x_i`` (4 values) and a target; fixed by ``seed``."""
+
+    def __init__(self, n: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class Linear(L.LightningModule):
+    """Linear regression, plain SGD at ``lr`` (mean squared error over the batch).
+
+    ``penalty_above``: the loss gets +1 on every batch of more samples than this: a constructed
+    loss whose best size is known. ``dropout``: random numbers drawn every step."""
+
+    def __init__(self, batch_size: int = 4, lr: float = 0.05, penalty_above: int | None = None, dropout: float = 0.0):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.drop = nn.Dropout(dropout)
+        self.bs, self.lr, self.penalty_above = batch_size, lr, penalty_above
+        self.trial_calls = 0
+        self.sizes: list[int] = []
+
+    def train_dataloader(self):
+        return DataLoader(Rows(), batch_size=self.bs)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.layer(self.drop(x)).squeeze(-1) - y) ** 2).mean()
+        if self.penalty_above is not None and len(x) > self.penalty_above:
+            loss = loss + 1.0
+        if in_trial(self.trainer):
+            self.trial_calls += 1
+        else:
+            self.sizes.append(len(x))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def fit(model: L.LightningModule, callbacks: list, epochs: int = 1, **kwargs) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def test_the_choice_on_a_loss_that_punishes_batches_above_16():
+    # candidates from 4 by sqrt(2), rounded to multiples of 4: 4, (5.66 -> 4, tried once), 8, 12, 16,
+    # 24 (22.6): the trial of 24 has batches 24, 24, 16: loss above 1.75 x the base, the search stops
+    # and keeps 16, which trains the epoch.
+    model = Linear(penalty_above=16, lr=0.0)
+    auto = AutoAdjust(search_samples=64, round_to=4, error_margin=1.0, lr_scaling="none")
+    trainer = fit(model, [auto])
+    (search,) = auto.history
+    assert [size for size, _ in search["trials"]] == [4, 8, 12, 16, 24]
+    losses = [loss for _, loss in search["trials"]]
+    assert losses[:4] == pytest.approx([losses[0]] * 4)  # lr 0: the same loss for every size up to 16
+    assert search["chosen"] == 16 and current_batch_size(trainer) == 16
+    assert model.sizes == [16, 16, 16, 16]
+
+
+def trial_loss(start: dict[str, torch.Tensor], data: Rows, size: int, lr: float) -> float:
+    """A trial mini-epoch written out: SGD over the 64 samples in batches of ``size``, from ``start``;
+    the average over samples of each batch's loss before its step."""
+    w, b = start["layer.weight"].clone(), start["layer.bias"].clone()
+    total = 0.0
+    for i in range(0, len(data), size):
+        x, y = data.x[i : i + size], data.y[i : i + size]
+        err = x @ w.T + b - y[:, None]
+        total += float((err**2).mean()) * len(x)
+        w -= lr * (2 * err * x).mean(0, keepdim=True)
+        b -= lr * (2 * err).mean(0)
+    return total / len(data)
+
+
+@pytest.mark.parametrize(
+    ("lr_scaling", "margin", "answer"), [("linear", 16.0, 32), ("sqrt", 20.0, 16), ("none", 10.0, 4)]
+)
+def test_trial_losses_and_choice_match_sgd_written_out(lr_scaling, margin, answer):
+    # the trial losses grow with the size (fewer steps over the same 64 samples); the margin decides
+    torch.manual_seed(0)
+    model = Linear(lr=0.01)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    auto = AutoAdjust(search_samples=64, round_to=4, error_margin=margin, lr_scaling=lr_scaling)
+    fit(model, [auto])
+    (search,) = auto.history
+    data = Rows()
+    scale = {"linear": lambda s: s / 4, "sqrt": lambda s: math.sqrt(s / 4), "none": lambda s: 1.0}[lr_scaling]
+    expected, choice = [], None
+    f = 4.0
+    while f <= 1_048_576:
+        size = max(4, 4 * int((f + 2) / 4))
+        f *= math.sqrt(2)
+        if expected and size == expected[-1][0]:
+            continue
+        if expected and size > 64:
+            break
+        expected.append((size, trial_loss(start, data, size, 0.01 * scale(size))))
+        if len(expected) > 1 and expected[-1][1] > expected[0][1] * (1 + margin / 100):
+            break
+        choice = size
+    print(lr_scaling, [(s, round(v, 4)) for s, v in expected], "->", choice)
+    assert [s for s, _ in search["trials"]] == [s for s, _ in expected]
+    torch.testing.assert_close([v for _, v in search["trials"]], [v for _, v in expected], rtol=1e-5, atol=1e-6)
+    assert search["chosen"] == choice == answer
+    assert len(expected) > 1
+
+
+def test_a_search_that_keeps_the_size_leaves_the_run_bit_for_bit_unchanged():
+    # every size above 4 is punished: the search tries 4 and 8 and keeps 4; everything it changed
+    # (weights, SGD state, the dropout's random numbers, the data position) is put back, so the run
+    # equals one without the callback. (Not shuffled: one process shuffles with a RandomSampler that
+    # draws its order from the global generator when the search looks at it; with several ranks the
+    # DistributedSampler's order is fixed by seed and epoch: see tests/multiprocess.)
+    def run(callbacks: list) -> tuple[torch.Tensor, Linear]:
+        L.seed_everything(7)
+        model = Linear(penalty_above=4, dropout=0.5)
+        fit(model, callbacks, epochs=2)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), model
+
+    auto = AutoAdjust(search_samples=32, round_to=4, lr_scaling="none")
+    with_search, searched = run([auto])
+    without, _ = run([])
+    assert [h["chosen"] for h in auto.history] == [4, 4]
+    assert [len(h["trials"]) for h in auto.history] == [2, 2]
+    assert searched.trial_calls == 2 * (8 + 4)  # 32 samples in batches of 4, then of 8, per search
+    assert torch.equal(with_search, without)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"error_margin": -0.5}, "error_margin"),
+        ({"tuning_frequency": 0}, "tuning_frequency"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_batch_size": 8, "min_batch_size": 16}, "max_batch_size"),
+        ({"search_samples": 0}, "search_samples"),
+        ({"round_to": 0}, "round_to"),
+        ({"lr_scaling": "cubic"}, "lr_scaling"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_setting(kwargs, setting):
+    with pytest.raises(ValueError, match=setting):
+        AutoAdjust(**kwargs)
+
+
+def test_a_maximum_below_the_batch_size_in_use_fails_when_fit_starts():
+    with pytest.raises(ValueError, match=r"max_batch_size=2\).*below the batch size in use \(4\)"):
+        fit(Linear(), [AutoAdjust(max_batch_size=2)])
+
+
+def test_gradient_accumulation_is_refused():
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2"):
+        fit(Linear(), [AutoAdjust(round_to=4)], accumulate_grad_batches=2)
+
+
+def test_the_tuning_epochs_follow_cntk():
+    auto = AutoAdjust(tuning_frequency=3)
+    auto.chosen = 128
+    # epochs counted from 1: the first three search, then every third
+    assert [e + 1 for e in range(10) if auto.searches(e)] == [1, 2, 3, 6, 9]
+    assert [auto.rounded(x) for x in (10, 31.9, 32, 95.9, 96, 181.02)] == [64, 64, 64, 64, 128, 192]
