@@ -252,6 +252,40 @@ def entries() -> list[Entry]:
                 ("_k192_lr4", 32, 192, 4.0, False),
             )
         ),
+        # SparseLoCo as published (outer lr 1, the paper's), with and without the density schedule, and its
+        # quantizer sent dense (benchmarks/results/sparseloco/)
+        *(
+            Entry(
+                f"sparseloco_published_h16{suffix}",
+                f"sparseloco published (64/tile of 64 x 64, statistical 2-bit, H 16{label}, overlapped 1 step,"
+                " stop round every 8 steps)",
+                {
+                    "class_path": "lightning_commstrats.SparseLoCoStrategy",
+                    "init_args": {"sync_period": 16, "topk_form": "published", "stop_check_every": 8, **extra},
+                },
+                "ours",
+            )
+            for suffix, label, extra in (
+                ("", "", {}),
+                ("_run", ", dense first syncs: topk_schedule 'run'", {"topk_schedule": "run"}),
+            )
+        ),
+        Entry(
+            "diloco_statistical_2bit_h16",
+            "diloco, dense statistical 2-bit (error feedback 0.95 in place of outer momentum, outer lr 1, H 16)",
+            {
+                "class_path": "lightning_commstrats.DiLoCoStrategy",
+                "init_args": {
+                    "sync_period": 16,
+                    "pseudo_grad_codec": "statistical",
+                    "pseudo_grad_bits": 2,
+                    "error_feedback_decay": 0.95,
+                    "outer_lr": 1.0,
+                    "outer_momentum": 0.0,
+                },
+            },
+            "ours",
+        ),
         Entry(
             "streaming_diloco_h16_4bit_overlap3",
             "streaming diloco (H 16, 4 fragments, 4-bit, overlapped 3 steps, local progress kept)",

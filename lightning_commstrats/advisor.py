@@ -57,10 +57,13 @@ import torch
 
 from lightning_commstrats import cost_model
 from lightning_commstrats.comm import Communicator, wire
+from lightning_commstrats.comm.base import LocalCommunicator
 from lightning_commstrats.compression.aggregation import MatrixLayout
+from lightning_commstrats.compression.density import StatisticalAllGather, check_schedule
 from lightning_commstrats.compression.exchange import EXCHANGE_BITS
 from lightning_commstrats.compression.rows import resolve_count
 from lightning_commstrats.compression.sparse import SPARSE_VALUE_BITS, TopKCodec
+from lightning_commstrats.compression.sparse_tiles import TiledSparseAllGather
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.models.base import declared_vocabulary
 from lightning_commstrats.outer import OUTER_STATES
@@ -127,6 +130,7 @@ SETTINGS = {
         "sync_period",
         "sync_period_unit",
         "pseudo_grad_bits",
+        "pseudo_grad_codec",
         "pseudo_grad_scales",
         "small_tensor_numel",
         "outer_momentum",
@@ -149,6 +153,9 @@ SETTINGS = {
         "pseudo_grad_bits",
         "topk_chunk",
         "topk_per_chunk",
+        "topk_form",
+        "topk_tile",
+        "topk_schedule",
         "small_tensor_numel",
         "keep_local_progress",
     ),
@@ -520,8 +527,10 @@ class _Schedule:
     fragments: int
     delay: int
     keep_local_progress: bool
-    sparse: TopKCodec | None  # sparseloco's codec
+    sparse: TopKCodec | None  # sparseloco's codec (topk_form="chunks")
     small: int
+    # sparseloco's published form, or diloco's dense statistical codec: one rank's payload per tensors
+    gather: TiledSparseAllGather | None = None
 
 
 def _schedule(scheme: str, settings: Mapping[str, Any], tensors: int) -> _Schedule:
@@ -535,10 +544,21 @@ def _schedule(scheme: str, settings: Mapping[str, Any], tensors: int) -> _Schedu
     unit = settings.get("sync_period_unit", "steps")
     if unit != "steps":
         raise ValueError(f"settings: the advisor counts periods in optimizer steps; sync_period_unit={unit!r}")
-    small = _int_setting(settings, "small_tensor_numel", 1024)
-    default_bits = {"streaming_diloco": 4, "sparseloco": 2}.get(scheme, 32)
-    allowed = SPARSE_VALUE_BITS if scheme == "sparseloco" else PSEUDO_GRAD_BITS
+    published = scheme == "sparseloco" and settings.get("topk_form", "chunks") == "published"
+    if scheme == "sparseloco" and settings.get("topk_form", "chunks") not in ("chunks", "published"):
+        raise ValueError(
+            f"settings: topk_form={settings['topk_form']!r} is not supported; choose 'chunks' or 'published'"
+        )
+    small = _int_setting(settings, "small_tensor_numel", 0 if published else 1024)
+    codec = settings.get("pseudo_grad_codec", "uniform")
+    if codec not in ("uniform", "e3m0", "statistical"):
+        raise ValueError(
+            f"settings: the advisor predicts pseudo_grad_codec 'uniform', 'e3m0' or 'statistical', got {codec!r}"
+        )
+    default_bits = {"streaming_diloco": 4, "sparseloco": 2}.get(scheme, 2 if codec == "statistical" else 32)
+    allowed = SPARSE_VALUE_BITS if scheme == "sparseloco" else (2, 4, 8) if codec == "statistical" else PSEUDO_GRAD_BITS
     bits = _int_setting(settings, "pseudo_grad_bits", default_bits, allowed)
+    gather = StatisticalAllGather(LocalCommunicator(), bits=bits) if codec == "statistical" else None
     scales = settings.get("pseudo_grad_scales", "rows")
     if scales not in ("rows", "columns"):
         raise ValueError(f"settings: pseudo_grad_scales={scales!r} is not supported; choose one of ('rows', 'columns')")
@@ -561,7 +581,16 @@ def _schedule(scheme: str, settings: Mapping[str, Any], tensors: int) -> _Schedu
                 f"settings: fragment_sync_delay={delay} must be >= 0 and < sync_period / num_fragments"
                 f" = {period}/{fragments}"
             )
-        if not streaming:
+        if published:  # the steady state: the schedule's first syncs send more
+            tile = _int_setting(settings, "topk_tile", 64)
+            kept = _int_setting(settings, "topk_per_chunk", 64)
+            if tile < 1 or not 1 <= kept <= tile * tile:
+                raise ValueError(
+                    f"settings: topk_tile={tile} must be >= 1 and topk_per_chunk={kept} in [1, topk_tile^2]"
+                )
+            check_schedule(settings.get("topk_schedule"), kept, tile * tile, name="settings: topk_schedule")
+            gather = TiledSparseAllGather(LocalCommunicator(), tile=tile, k=kept, bits=bits)
+        elif not streaming:
             chunk = _int_setting(settings, "topk_chunk", 4096)
             kept = _int_setting(settings, "topk_per_chunk", 64)
             if chunk < 2 or not 1 <= kept <= chunk:
@@ -569,7 +598,7 @@ def _schedule(scheme: str, settings: Mapping[str, Any], tensors: int) -> _Schedu
                     f"settings: topk_chunk={chunk} must be >= 2 and topk_per_chunk={kept} in [1, topk_chunk]"
                 )
             sparse = TopKCodec(chunk, kept, bits)
-    return _Schedule(period, bits, scales == "rows", fragments, delay, keep, sparse, small)
+    return _Schedule(period, bits, scales == "rows", fragments, delay, keep, sparse, small, gather)
 
 
 def sparse_exchange_bytes(shapes: Sequence[tuple[int, ...]], n: int, codec: TopKCodec, small_tensor_numel: int) -> int:
@@ -583,6 +612,18 @@ def sparse_exchange_bytes(shapes: Sequence[tuple[int, ...]], n: int, codec: TopK
     return wire.all_gather_bytes(payload, 1, n) + wire.all_reduce_bytes(dense, 4, n)
 
 
+def gathered_exchange_bytes(
+    shapes: Sequence[tuple[int, ...]], n: int, gather: TiledSparseAllGather, small_tensor_numel: int
+) -> int:
+    """Bytes one rank sends in one averaging by ``gather`` (``sparseloco``'s published form, or the dense
+    statistical codec): every tensor of more than ``small_tensor_numel`` values in one payload per rank,
+    all-gathered; the rest in an fp32 ring all-reduce."""
+    big = [tuple(s) for s in shapes if math.prod(s) > small_tensor_numel]
+    dense = sum(math.prod(s) for s in shapes if math.prod(s) <= small_tensor_numel)
+    payload = gather.payload_bytes(big) if big else 0
+    return wire.all_gather_bytes(payload, 1, n) + wire.all_reduce_bytes(dense, 4, n)
+
+
 def _periodic(
     scheme: str, settings: dict[str, Any], model: ModelShape, bw: float, compute: float, n: int, small: int
 ) -> Candidate:
@@ -591,6 +632,8 @@ def _periodic(
     bounds = fragment_bounds([math.prod(s) for s in model.shapes], fragments)
     if sched.sparse is not None:
         per_sync = [sparse_exchange_bytes(model.shapes[i0:i1], n, sched.sparse, small) for i0, i1 in bounds]
+    elif sched.gather is not None:
+        per_sync = [gathered_exchange_bytes(model.shapes[i0:i1], n, sched.gather, sched.small) for i0, i1 in bounds]
     else:
         per_sync = [
             cost_model.exchange_bytes(model.shapes[i0:i1], n, bits, by_rows=sched.by_rows, small_tensor_numel=small)
@@ -614,6 +657,13 @@ def _periodic(
     if sched.sparse is not None:
         codec = sched.sparse
         note += f", top {codec.k} of {codec.chunk} values in {bits} bits with error feedback"
+    elif isinstance(sched.gather, StatisticalAllGather):
+        note += f", every value in {bits} bits on a statistical grid with error feedback"
+    elif sched.gather is not None:
+        tile = sched.gather.tile
+        note += f", top {sched.gather.k} per tile of {tile} x {tile} in {bits} bits with error feedback"
+        if settings.get("topk_schedule") is not None:
+            note += f" (denser at the first syncs: topk_schedule={settings['topk_schedule']!r}, not counted here)"
     elif bits < 32:
         note += f", {bits}-bit pseudo-gradients"
     note += ": changes the optimisation, quality must be checked"
@@ -810,7 +860,9 @@ def _periodic_state(
         if momentum > 0:
             parts.append(("outer Nesterov momentum", 4 * numel, home))
     bounds = fragment_bounds(sizes, sched.fragments)
-    if replicas > 1 and sched.sparse is not None:
+    if replicas > 1 and sched.gather is not None:  # made and kept unpadded, tensor by tensor
+        parts.append(("error-feedback buffer (gathered exchange)", 4 * sum(k for k in sizes if k > sched.small), home))
+    elif replicas > 1 and sched.sparse is not None:
         chunk, small = sched.sparse.chunk, sched.small
         # made on the device as one block per fragment, each tensor padded to whole chunks; kept there,
         # or copied unpadded to pinned host memory on a GPU run with outer_state="host"
@@ -850,10 +902,12 @@ def default_settings(
         return [{"sync_period": h, "sync_period_unit": "steps"} for h in AVERAGING_PERIODS]
     if scheme == "local_sgd":
         return [{"sync_period": h} for h in AVERAGING_PERIODS]
-    if scheme == "diloco":
-        return [{"sync_period": h, "pseudo_grad_bits": b} for h in DILOCO_PERIODS for b in DILOCO_BITS]
-    if scheme == "sparseloco":  # its defaults: top 64 of 4096 in 2 bits, the exchange behind one step
-        return [{"sync_period": h} for h in DILOCO_PERIODS]
+    if scheme == "diloco":  # and SparseLoCo's quantizer sent dense, 2 bits a value
+        grid = [{"sync_period": h, "pseudo_grad_bits": b} for h in DILOCO_PERIODS for b in DILOCO_BITS]
+        return grid + [{"sync_period": h, "pseudo_grad_codec": "statistical"} for h in DILOCO_PERIODS]
+    if scheme == "sparseloco":  # its defaults (top 64 of 4096 in 2 bits, behind one step), and the published form
+        published = {"topk_form": "published", "topk_schedule": "run"}
+        return [{"sync_period": h} for h in DILOCO_PERIODS] + [{"sync_period": h, **published} for h in DILOCO_PERIODS]
     out = []
     fragments = min(STREAMING_FRAGMENTS, len(model.shapes))
     for h in DILOCO_PERIODS:

@@ -50,6 +50,13 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
       not a paper's codec. ``"e3m0"`` (4 bits only): Streaming DiLoCo's 4-bit float, 1 sign and 3
       exponent bits, ``+-scale * 2^e`` for ``e`` in -6..0 and zero, on one float32 scale per row
       (the row's largest magnitude). See ``benchmarks/results/codec_quality/`` for both measured.
+      ``"statistical"`` (2, 4, 8 bits): SparseLoCo's quantizer sent dense, every value of a tensor
+      on ``2^bits`` bins over 6 standard deviations around the tensor's mean, each bin decoded as the
+      mean of its values (a lookup of ``2^bits`` float32 per tensor), all-gathered; with
+      ``error_feedback_decay=0.95``, ``outer_lr=1`` and ``outer_momentum=0`` the decayed error
+      feedback takes the place of outer momentum, as in SparseLoCo
+      (:mod:`lightning_commstrats.compression.density`; measured in
+      ``benchmarks/results/sparseloco/``).
     - ``parallelization_start``: fully synchronous steps (gradients all-reduced) before the first
       block: a warm start, useful when the very first steps move the weights far.
     - ``reset_sgd_momentum``: zero the inner optimizer's first moment after each sync (default
@@ -66,7 +73,8 @@ class DiLoCoStrategy(PeriodicSyncStrategy):
         outer_momentum: outer momentum (default 0.9; Nesterov with SGD).
         outer_optimizer_kwargs: further outer optimizer arguments.
         pseudo_grad_bits: 32 (default), 16, 8, 4 or 2.
-        pseudo_grad_codec: ``"uniform"`` (default) or ``"e3m0"`` (with ``pseudo_grad_bits=4``).
+        pseudo_grad_codec: ``"uniform"`` (default), ``"e3m0"`` (with ``pseudo_grad_bits=4``) or
+            ``"statistical"`` (with ``pseudo_grad_bits`` 2, 4 or 8; ``error_feedback_decay`` applies).
         parallelization_start: warm start, in ``sync_period_unit``.
         reset_sgd_momentum: zero the inner first moment after each sync.
         **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`

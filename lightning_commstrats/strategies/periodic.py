@@ -145,10 +145,14 @@ class PeriodicSyncStrategy(CommStrategy):
             the ``topk_per_chunk`` largest in magnitude travel, in ``pseudo_grad_bits`` bits each (2, 4,
             8: sign and magnitude bin; 32: float32) with their positions, every rank's payload
             all-gathered; what is not sent stays in an error-feedback buffer decayed by
-            ``error_feedback_decay``; see :mod:`lightning_commstrats.compression.sparse`.
+            ``error_feedback_decay``; see :mod:`lightning_commstrats.compression.sparse`. Or
+            ``"statistical"`` (2, 4, 8 bits): every value of tensors of more than ``small_tensor_numel``
+            values on SparseLoCo's statistical grid with a lookup per tensor, all-gathered, with error
+            feedback decayed by ``error_feedback_decay``; see
+            :mod:`lightning_commstrats.compression.density`.
         topk_chunk: with ``pseudo_grad_codec="topk"``, values per chunk (default 4096, SparseLoCo's).
         topk_per_chunk: with ``pseudo_grad_codec="topk"``, values kept per chunk (default 64: 1.6%).
-        error_feedback_decay: with ``pseudo_grad_codec="topk"``, ``beta`` in ``e = beta * e + G``
+        error_feedback_decay: with ``pseudo_grad_codec="topk"`` or ``"statistical"``, ``beta`` in ``e = beta * e + G``
             (default 1.0; SparseLoCo's 0.95, with which the buffer takes the place of outer momentum).
         topk_form: with ``pseudo_grad_codec="topk"``, ``"chunks"`` (default: runs of ``topk_chunk``
             consecutive values, sign-and-magnitude codes; a quorum of one replica sends nothing and

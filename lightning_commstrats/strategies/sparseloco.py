@@ -88,6 +88,32 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     times fewer bytes per step than fp32 DDP (the dense small tensors add a little). The all-gather
     grows with ``N``; the payload does not.
 
+    Short runs and the density schedule (``topk_schedule``, published form): sparse error feedback
+    needs many syncs to pay off. Keeping ``k`` of ``n`` values per tile, a value waits about ``n / k``
+    syncs for its turn (64 at the defaults), so a run with fewer syncs than that leaves most of its
+    progress in the buffers: issue #36 measured the defaults on the recipe's LSTM (4 ranks, 192 steps,
+    ``sync_period=16``: 12 syncs) at perplexity 262.7, worse than each rank training alone (165.1). At
+    its first batch the strategy warns when the fit has fewer syncs than ``n / k`` (without a
+    schedule), naming them. ``topk_schedule`` keeps more values at the first syncs:
+
+    - ``"geometric"``: every value of a tile at the first sync (in ``pseudo_grad_bits`` bits, no
+      positions), then a quarter as many at each sync (4096, 1024, 256, then ``topk_per_chunk``);
+    - ``"run"``: the same steps, each held longer on a longer run, so that the denser steps take the
+      first quarter of the syncs the fit will have (``trainer.estimated_stepping_batches /
+      sync_period``, read at the fit's first batch; 12 syncs: as ``"geometric"``; 1200: 100 syncs each);
+    - a list ``[k_0, k_1, ...]``: ``k_p`` values per tile at sync ``p`` (0: the first), then
+      ``topk_per_chunk``.
+
+    The place in the schedule comes from the step count (``sync_period`` units since
+    ``parallelization_start``), which checkpoints and healing replicas carry: a resumed run, and
+    every rank, keep the same count at a sync, so the payloads of a sync have one size on every rank
+    (a plain all-gather); each sync is charged the bytes it sent. How to tune for a run of ``S`` syncs:
+    with ``S`` well above ``n / k`` the paper's density needs no schedule; below it, use
+    ``topk_schedule="run"``, or a constant ``topk_per_chunk`` near ``n / S`` or above, or a shorter
+    ``sync_period``; if the loss still jumps at syncs, lower ``outer_lr``. A dense exchange in 2 bits
+    (``DiLoCoStrategy(pseudo_grad_codec="statistical", error_feedback_decay=0.95, outer_lr=1,
+    outer_momentum=0)``) is the same error feedback with every value sent.
+
     Hyperparameters:
 
     - ``topk_per_chunk / topk_chunk`` (density, 1.6%; ``topk_per_chunk / topk_tile^2`` in the
@@ -135,6 +161,9 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
             refused with ``"chunks"``.
         topk_sigmas: with ``topk_form="published"``, the quantizer's width in standard deviations
             (default ``None``: 6); refused with ``"chunks"``.
+        topk_schedule: with ``topk_form="published"``, values kept per tile at the first syncs:
+            ``None`` (default: ``topk_per_chunk`` at every sync), ``"geometric"``, ``"run"`` or a list
+            of ints in ``[1, topk_tile^2]`` (see above).
         small_tensor_numel: tensors of at most this many values go dense in fp32 without error
             feedback (default ``None``: 1024 with ``"chunks"``, 0 with ``"published"``).
         **kwargs: :class:`PeriodicSyncStrategy` / :class:`~lightning_commstrats.strategies.base.CommStrategy`
