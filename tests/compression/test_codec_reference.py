@@ -268,7 +268,9 @@ def test_the_exchange_builds_the_codec_it_is_asked_for():
     assert isinstance(TensorExchange(Alone(), 4, codec="e3m0").quantized.codec, E3M0Codec)
     uniform = TensorExchange(Alone(), 4).quantized.codec
     assert isinstance(uniform, ColumnCodec) and uniform.bits == 4
-    with pytest.raises(ValueError, match=r"codec='fp4' is not supported; choose one of \('uniform', 'e3m0', 'topk'\)"):
+    with pytest.raises(
+        ValueError, match=r"codec='fp4' is not supported; choose one of \('uniform', 'e3m0', 'topk', 'statistical'\)"
+    ):
         TensorExchange(Alone(), 4, codec="fp4")
     for bits in (2, 8, 16, 32):
         with pytest.raises(ValueError, match=f"codec='e3m0' is a 4-bit format: it needs bits=4, got bits={bits}"):

@@ -19,7 +19,7 @@ from lightning_commstrats.strategies.periodic import fragment_bounds
         (
             StreamingDiLoCoStrategy,
             {"pseudo_grad_codec": "fp4"},
-            r"pseudo_grad_codec='fp4' is not supported; choose one of \('uniform', 'e3m0', 'topk'\)",
+            r"pseudo_grad_codec='fp4' is not supported; choose one of \('uniform', 'e3m0', 'topk', 'statistical'\)",
         ),
         (
             StreamingDiLoCoStrategy,
