@@ -103,6 +103,8 @@ class ZeroOneAdam:
         self.anchor: dict[str, Tensor] = {}  # x', while local steps are open
         self.accum: dict[str, Tensor] = {}  # u_i (this rank's)
         self.open = False  # local steps taken since the last synchronisation
+        self._pending: dict[int, tuple[float, float, bool]] = {}  # a synchronisation's s_t and decay
+        self._denoms: dict[int, tuple[Any, list[Tensor]]] = {}  # param group -> (its key, d)
 
     # ------------------------------------------------------------------ the schedules
 
@@ -160,21 +162,30 @@ class ZeroOneAdam:
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _factors(self, group: dict[str, Any], t: int) -> tuple[float, float, float, float]:
-        """``(lr, s_t, the variance's correction 1/sqrt(1 - b2^n), 1 - lr wd)`` for ``group`` at ``t``."""
+    def _factors(self, group: dict[str, Any], t: int) -> tuple[float, float, float]:
+        """``(s_t, the variance's correction 1/sqrt(1 - b2^n), 1 - lr wd)`` for ``group`` at ``t``."""
         lr, (b1, b2), wd = float(group["lr"]), group["betas"], group["weight_decay"]
         decay = 1 - lr * wd if wd and group.get("decoupled_weight_decay", False) else 1.0
         if not self.bias_correction:
-            return lr, lr, 1.0, decay
-        n = self.variance_updates(t)
-        return lr, lr / (1 - b1**t), 1 / math.sqrt(1 - b2**n), decay
+            return lr, 1.0, decay
+        return lr / (1 - b1**t), 1 / math.sqrt(1 - b2 ** self.variance_updates(t)), decay
 
-    @staticmethod
-    def _denominators(states: list[dict[str, Any]], correction: float, eps: float) -> list[Tensor]:
+    def _denominators(
+        self, index: int, group: dict[str, Any], states: list[dict[str, Any]], names: list[str], t: int
+    ) -> list[Tensor]:
+        """``d = sqrt(v) * correction + eps``, kept while ``v`` and the correction do not change
+        (between variance steps, and for good after ``var_freeze_step``): one copy of the weights."""
+        key = (self.variance_updates(t), group["eps"], tuple(names))
+        cached = self._denoms.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        self._denoms.pop(index, None)  # its memory is free before the new one is made
+        _, correction, _ = self._factors(group, t)
         denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
         if correction != 1.0:
             torch._foreach_mul_(denom, correction)
-        torch._foreach_add_(denom, eps)
+        torch._foreach_add_(denom, group["eps"])
+        self._denoms[index] = (key, denom)
         return denom
 
     @staticmethod
@@ -187,9 +198,9 @@ class ZeroOneAdam:
         self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], names: Sequence[str], t: int
     ) -> None:
         """Step ``t`` of ``T_v`` on the averaged gradients the parameters hold (Adam's step)."""
-        for _, group, ps, _ in self._groups(optimizer, params, names):
-            _, s, correction, decay = self._factors(group, t)
-            (b1, b2), eps = group["betas"], group["eps"]
+        for index, group, ps, ns in self._groups(optimizer, params, names):
+            s, _, decay = self._factors(group, t)
+            b1, b2 = group["betas"]
             states = [self._state(optimizer, p, group) for p in ps]
             grads = [dense_grad(p) for p in ps]
             self._l2(group, grads, ps)
@@ -198,48 +209,60 @@ class ZeroOneAdam:
             torch._foreach_mul_(variances := [st["exp_avg_sq"] for st in states], b2)
             torch._foreach_addcmul_(variances, grads, grads, value=1 - b2)
             torch._foreach_add_([st["step"] for st in states], 1)
-            denom = self._denominators(states, correction, eps)
+            self._denoms.pop(index, None)  # v changed
+            denom = self._denominators(index, group, states, ns, t)
             if decay != 1.0:
                 torch._foreach_mul_(ps, decay)
             torch._foreach_addcdiv_(ps, moments, denom, value=-s)
             for p in ps:
                 p.grad = None
 
+    def _open(self, ps: list[Tensor], ns: list[str]) -> None:
+        """Keep ``x'`` of the tensors that have none in the interval (all of them when it opens; a
+        tensor made trainable inside it, whose weights no rank has moved, joins at its value)."""
+        fresh = {n for n in ns if n not in self.anchor}
+        for p, n in zip(ps, ns, strict=True):
+            if n in fresh:
+                self.anchor[n] = p.detach().clone()
+                self.accum[n] = torch.zeros_like(p)
+        if not self.open:
+            kept = [(p, n) for p, n in zip(ps, ns, strict=True) if n not in fresh]
+            if kept:
+                torch._foreach_copy_([self.anchor[n] for _, n in kept], [p for p, _ in kept])
+                torch._foreach_zero_([self.accum[n] for _, n in kept])
+
     @torch.no_grad()
     def prepare(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], names: Sequence[str], t: int) -> bool:
         """A step ``t`` outside ``T_v``: this rank's momentum ``m_i`` from its gradient. A local step
         (``t`` not in ``T_u``) is taken here and False returned; for a synchronisation the gradients
-        are left holding ``u_i`` (to be averaged in place) and True is returned."""
+        are left holding ``u_i`` (to be averaged in place), nothing else changes until
+        :meth:`synchronize` (or :meth:`abandon`), and True is returned."""
         sync = self.syncs(t)
+        self._pending = {}
         for index, group, ps, ns in self._groups(optimizer, params, names):
-            _, s, correction, decay = self._factors(group, t)
+            s, _, decay = self._factors(group, t)
             b1 = group["betas"][0]
             states = [self._state(optimizer, p, group) for p in ps]
             grads = [dense_grad(p) for p in ps]
             self._l2(group, grads, ps)
-            torch._foreach_lerp_(grads, [st["exp_avg"] for st in states], b1)  # m_i = g_i + b1 (m - g_i)
-            torch._foreach_add_([st["step"] for st in states], 1)
-            self.lr_sums[index] = self.lr_sums.get(index, 0.0) + s
-            self.decays[index] = self.decays.get(index, 1.0) * decay
+            moments = [st["exp_avg"] for st in states]
             if sync:
+                torch._foreach_lerp_(grads, moments, b1)  # m_i = g_i + b1 (m - g_i), in the gradient
                 torch._foreach_mul_(grads, s)
                 if self.open:
                     torch._foreach_add_(grads, [self.accum[n] for n in ns])
+                self._pending[index] = (s, decay, True)
                 continue
-            if not self.open:  # an interval of local steps opens: keep x'
-                for p, n in zip(ps, ns, strict=True):
-                    if n in self.anchor:
-                        self.anchor[n].copy_(p)
-                        self.accum[n].zero_()
-                    else:
-                        self.anchor[n] = p.detach().clone()
-                        self.accum[n] = torch.zeros_like(p)
-            torch._foreach_add_([self.accum[n] for n in ns], grads, alpha=s)
-            torch._foreach_copy_([st["exp_avg"] for st in states], grads)
-            denom = self._denominators(states, correction, group["eps"])
+            self._open(ps, ns)
+            torch._foreach_lerp_(moments, grads, 1 - b1)  # m = m_i
+            torch._foreach_add_([st["step"] for st in states], 1)
+            torch._foreach_add_([self.accum[n] for n in ns], moments, alpha=s)
+            self.lr_sums[index] = self.lr_sums.get(index, 0.0) + s
+            self.decays[index] = self.decays.get(index, 1.0) * decay
+            denom = self._denominators(index, group, states, ns, t)
             if decay != 1.0:
                 torch._foreach_mul_(ps, decay)
-            torch._foreach_addcdiv_(ps, grads, denom, value=-s)
+            torch._foreach_addcdiv_(ps, moments, denom, value=-s)
             for p in ps:
                 p.grad = None
         if not sync:
@@ -252,13 +275,16 @@ class ZeroOneAdam:
     ) -> None:
         """The end of a synchronisation at step ``t``: the gradients hold the average ``u``."""
         for index, group, ps, ns in self._groups(optimizer, params, names):
-            _, _, correction, _ = self._factors(group, t)
+            s, decay, counts = self._pending.pop(index, (0.0, 1.0, False))
+            total = self.lr_sums.pop(index, 0.0) + s
+            decay *= self.decays.pop(index, 1.0)
             states = [self._state(optimizer, p, group) for p in ps]
+            if counts:
+                torch._foreach_add_([st["step"] for st in states], 1)
             averaged = [p.grad for p in ps]
-            total, decay = self.lr_sums.pop(index), self.decays.pop(index, 1.0)
             torch._foreach_copy_(moments := [st["exp_avg"] for st in states], averaged)
             torch._foreach_div_(moments, total)
-            denom = self._denominators(states, correction, group["eps"])
+            denom = self._denominators(index, group, states, ns, t)
             if self.open:
                 torch._foreach_copy_(ps, [self.anchor[n] for n in ns])
             if decay != 1.0:
@@ -266,17 +292,37 @@ class ZeroOneAdam:
             torch._foreach_addcdiv_(ps, averaged, denom, value=-1.0)
             for p in ps:
                 p.grad = None
+        self._pending = {}
+        self.open = False
+
+    @torch.no_grad()
+    def abandon(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
+        """A synchronisation whose average is not finite, skipped: the interval's local steps are
+        dropped (every rank back to ``x'``, the same everywhere) and, where local steps moved it, the
+        momentum restarts at zero; the step counts stay those of the last step that ran."""
+        self._pending = {}
+        if not self.open:
+            return
+        for _, group, ps, ns in self._groups(optimizer, params, names):
+            states = [self._state(optimizer, p, group) for p in ps]
+            torch._foreach_copy_(ps, [self.anchor[n] for n in ns])
+            torch._foreach_zero_([st["exp_avg"] for st in states])
+            torch._foreach_zero_([self.accum[n] for n in ns])
+        self.lr_sums.clear()
+        self.decays.clear()
         self.open = False
 
     def load_accumulated(self, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         """Put ``u_i`` in the gradients for a synchronisation without a new gradient (the end of fit)."""
+        self._pending = {}
         for p, n in zip(params, names, strict=True):
             p.grad = self.accum[n].clone() if n in self.accum else torch.zeros_like(p)
 
     def release(self) -> None:
-        """Drop ``x'`` and ``u_i`` (they are rebuilt at the next interval of local steps)."""
+        """Drop ``x'``, ``u_i`` and the cached preconditioner (rebuilt when needed)."""
         self.anchor.clear()
         self.accum.clear()
+        self._denoms.clear()
 
     # ------------------------------------------------------------------ state
 
@@ -285,11 +331,11 @@ class ZeroOneAdam:
             "lr_sums": dict(self.lr_sums),
             "decays": dict(self.decays),
             "open": self.open,
-            "anchor": {n: t.detach().clone() for n, t in self.anchor.items()} if self.open else {},
+            "anchor": dict(self.anchor) if self.open else {},  # references: the checkpoint copies them
         }
 
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"accum": {n: t.detach().clone() for n, t in self.accum.items()} if self.open else {}}
+        return {"accum": dict(self.accum) if self.open else {}}
 
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any], device: torch.device) -> None:
         self.lr_sums = {int(k): float(v) for k, v in state.get("lr_sums", {}).items()}
@@ -309,8 +355,9 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
 
     What it adds to ``onebit_adam``: no fixed warm-up in fp32 (the variance is updated, in an fp32
     round, at each of the first 16 steps, then at every 2nd step for 16 updates, every 4th for 16
-    more, ...; the other steps send the momentum in 1 bit), and local steps that skip rounds. The paper (BERT, GPT-2, ImageNet on up to 128 GPUs) reports up
-    to 87% less volume and 54% fewer rounds than 1-bit Adam at the same accuracy.
+    more, ...; the other steps send the momentum in 1 bit), and local steps that skip rounds. The
+    paper (BERT, GPT-2, ImageNet on up to 128 GPUs) reports up to 87% less volume and 54% fewer
+    rounds than 1-bit Adam at the same accuracy.
 
     Each step (see :class:`ZeroOneAdam` for the equations):
 
@@ -452,18 +499,30 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
             return  # a local step, taken
         if self.world_size > 1:
             self.exchange_compressed(self.compression, params)  # u, averaged in place
-        if not self._nonfinite_names:  # else the nonfinite policy decides (the step is not taken)
+        if self._nonfinite_names:  # the nonfinite policy raises, or skips the step: without the interval
+            self.adam.abandon(optimizer, params, names)
+        else:
             self.adam.synchronize(optimizer, params, names, t)
 
     @override
     def on_train_end(self) -> None:
-        if self.adam.open:  # fit ends inside an interval of local steps: one more synchronisation
-            for optimizer in self.optimizers:
-                params = trainable_params(optimizer)
-                names = self._names(params)
-                self.adam.load_accumulated(params, names)
-                if self.world_size > 1:
-                    self.exchange_compressed(self.compression, params)
+        # Fit ends inside an interval of local steps: one more synchronisation, so that every rank
+        # ends with the same model (after the callbacks' on_train_end, which Lightning calls first).
+        if self.adam.open:
+            optimizer = self.optimizers[0]
+            params = trainable_params(optimizer)
+            names = self._names(params)
+            self.adam.load_accumulated(params, names)
+            self._nonfinite_names = []
+            if self.world_size > 1:
+                self.exchange_compressed(self.compression, params)
+            if self._nonfinite_names:
+                self.adam.abandon(optimizer, params, names)
+                rank_zero_warn(
+                    "zero_one_adam: the last synchronisation of fit was not finite; every rank ends at the"
+                    " weights of the one before (the last interval's local steps are dropped)"
+                )
+            else:
                 self.adam.synchronize(optimizer, params, names, self.optimizer_steps)
             self.comm_stats.extend_last_step()  # the end-of-fit sync belongs to the last step
         super().on_train_end()
@@ -480,25 +539,45 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
     def rank_state_dict(self) -> dict[str, Any]:
         own = self.adam.rank_state_dict()
         if self.adam.open:
-            own["weights"] = {self.param_name(p): p.detach().clone() for p in self._own_weights()}
+            own["weights"] = {self.param_name(p): p.detach() for p in self._own_weights()}
             own["optimizers"] = [opt.state_dict() for opt in self.optimizers]
         return {"compression": self.compression.state_dict(), "zero_one_adam": own}
+
+    @override
+    def resharded_rank_state(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None, saved_world_size: int
+    ) -> dict[str, Any]:
+        if (state.get("zero_one_adam") or {}).get("open"):
+            raise ValueError(
+                "it was saved inside an interval of local steps, where each rank's weights and momentum are its"
+                f" own: it resumes on its {saved_world_size} ranks only (or from a checkpoint at a synchronisation)"
+            )
+        return super().resharded_rank_state(state, rank_state, saved_world_size)
 
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         residuals = rank_state.get("compression") or {}
         self.check_compression_state(self.compression, residuals)
-        super().load_state_dict(state, rank_state)
         own = rank_state.get("zero_one_adam") or {}
-        self.adam.load_state_dict(state.get("zero_one_adam", {}), own, self.root_device)
+        saved = state.get("zero_one_adam", {})
+        if saved.get("open"):  # checked before anything changes
+            names = set(self._names(self._own_weights()))
+            if set(own.get("weights", {})) != names or set(saved.get("anchor", {})) - names:
+                raise ValueError(
+                    "it was saved inside an interval of local steps and does not hold this rank's own weights of"
+                    " this model's trainable tensors"
+                )
+        super().load_state_dict(state, rank_state)
+        self.adam.load_state_dict(saved, own, self.root_device)
         self.compression.bind(self.replica_comm, self.bucket_cap_mb).load_state_dict(residuals)
         if self.adam.open:
-            if "weights" not in own:
-                raise ValueError("it was saved inside an interval of local steps without this rank's own weights")
             with torch.no_grad():
                 for p in self._own_weights():
                     p.copy_(own["weights"][self.param_name(p)])
             for optimizer, opt_state in zip(self.optimizers, own["optimizers"], strict=True):
+                for per_param in opt_state["state"].values():  # torch keeps step counts on the host
+                    if "step" in per_param and not optimizer.defaults.get("fused"):
+                        per_param["step"] = per_param["step"].cpu()
                 optimizer.load_state_dict(opt_state)
 
     @override
@@ -509,3 +588,4 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
         self.adam.open = False
         self.adam.lr_sums.clear()
         self.adam.decays.clear()
+        self.adam._pending = {}

@@ -223,3 +223,17 @@ def test_a_checkpoint_inside_an_interval_of_local_steps_resumes_bit_for_bit():
             torch.equal(a, b)
             for a, b in zip(r["full"]["params"].values(), r["resumed"]["params"].values(), strict=True)
         )
+
+
+def test_a_non_finite_gradient_in_a_local_step_drops_the_interval_at_its_synchronisation():
+    # an inf in rank 0's gradient at step 9 (a local step: rank 0's weights go non-finite alone);
+    # step 10's synchronisation averages a non-finite u and is skipped: every rank returns to the
+    # weights of step 8 (the interval's x'), and training goes on from there, finite and in step
+    extra = {"inject_inf": [8, 0], "kwargs": {**scenario("adamw")["kwargs"], "nonfinite": "skip"}}
+    ranks = [r["zo"] for r in run_ranks({"scenarios": {"zo": scenario("adamw", **extra)}}, 2)]
+    assert not torch.isfinite(ranks[0]["trace"][8]).all() and torch.isfinite(ranks[1]["trace"][8]).all()
+    for r in ranks:
+        assert torch.equal(r["trace"][9], ranks[0]["trace"][7])  # back at x', the same on both ranks
+        assert all(torch.isfinite(t).all() for t in r["trace"][9:])
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"].values(), ranks[1]["params"].values(), strict=True))
+    assert all(torch.isfinite(t).all() for t in ranks[0]["params"].values())
