@@ -383,13 +383,20 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
     ``1 - b1^t``, ``v`` by ``1 - b2^n`` for its ``n`` updates; ``bias_correction=False`` is the
     paper's step); AdamW's decay as described in :class:`ZeroOneAdam`; ``x'`` kept as a copy, so
     that the ranks' weights after a synchronisation are identical to the bit (undoing the local
-    steps in place, as DeepSpeed does, leaves each rank its own rounding).
+    steps in place, as DeepSpeed does, leaves each rank its own rounding); the error-feedback
+    residuals carry over when local steps begin (they are in the units of ``u`` throughout; DeepSpeed
+    zeroes them there, its earlier ones being a gradient's). As DeepSpeed, a ``T_v`` step updates
+    ``m`` from the fp32 average and takes the step with the ``v`` it has just updated (Adam's order).
+    A synchronisation whose average is not finite (``nonfinite="skip"``) drops its interval: every
+    rank returns to ``x'`` and the momentum restarts at zero.
 
-    Memory: after ``var_freeze_step``, with an interval above 1, two copies of the weights more than
-    Adam (``x'`` and ``u_i``), plus the residuals (as ``onebit_adam``).
+    Memory: the preconditioner ``d`` kept while ``v`` is unchanged (one copy of the weights), and
+    after ``var_freeze_step``, with an interval above 1, two more (``x'`` and ``u_i``), plus the
+    residuals (as ``onebit_adam``).
 
     Bytes per rank: a ``T_v`` step is ``allreduce``'s; a 1-bit step about 1/32 of it; a local step
-    none. Before ``var_freeze_step`` about ``16 log2(1 + t / 16)`` of the first ``t`` steps send fp32 (59 of 200).
+    none. Before ``var_freeze_step`` about ``16 log2(1 + t / 16)`` of the first ``t`` steps send
+    fp32 (59 of 200).
 
     Tuning: ``var_freeze_step`` where the learning rate's warm-up ends (DeepSpeed: "does not require
     tuning"), or 15-25% of a run without warm-up; ``local_step_scaler`` so that the interval reaches
