@@ -2,6 +2,9 @@
 equations (Lu et al., ICLR 2023, Algorithm 1) and the schedules' counters as DeepSpeed documents
 them (``var_interval`` doubling after ``var_update_scaler`` updates; ``local_step_interval``
 doubling every ``local_step_scaler`` steps up to ``local_step_clipper``), not from the package's code.
+Two choices follow the package's documented defaults rather than the paper: the variance step
+updates ``m`` and ``v`` from the fp32 average before its step (DeepSpeed's order), and torch's bias
+correction (``s_t = lr / (1 - b1^t)``, ``v`` corrected for its number of updates).
 
 Each rank records its own gradients before any exchange; the simulation replays them. A variance
 step averages the gradients in fp32 and takes Adam's step; any other step accumulates each rank's
