@@ -215,7 +215,9 @@ class GradientNoiseScale(Callback):
         seed: seeds the sketch's hashes, drawn afresh every step alike on every rank.
         max_batch_size: the largest per-rank batch, in samples; ``None`` (the default): measure and
             log only, never change the batch.
-        min_batch_size: the per-rank batch to start from, in samples (``None``: the DataLoader's).
+        min_batch_size: the per-rank batch to start from, in samples (``None``: the DataLoader's);
+            the configured learning rate is taken to be the DataLoader's batch's and scaled to this
+            one by ``lr_scaling``.
         growth_factor: the factor by which the batch grows at a check (> 1; default 2). Smaller
             factors follow the noise scale more closely, with more changes.
         check_every_n_steps: optimizer steps between two checks (default 50); the first check
@@ -381,7 +383,8 @@ class GradientNoiseScale(Callback):
                 f" {start} samples per rank"
             )
         if start != current_batch_size(trainer):
-            set_batch_size(trainer, start)  # a resumed run keeps the rate its checkpoint holds
+            # the configured rate is the DataLoader's batch's; a resumed run's optimizer holds its own
+            set_batch_size(trainer, start, lr_scaling="none" if self._resumed_size else self.lr_scaling)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
