@@ -228,8 +228,21 @@ class AutoAdjust(Callback):
         return math.isfinite(loss) and math.isfinite(base) and loss <= base * (1.0 + self.error_margin / 100.0)
 
     def rounded(self, size: float) -> int:
-        """``size`` to the nearest multiple of ``round_to`` (halves up, as CNTK), never below it."""
-        return max(self.round_to, self.round_to * int((size + self.round_to / 2) / self.round_to))
+        """``size`` to the nearest multiple of ``round_to`` (halves up; in float32, as CNTK), never below it."""
+        half, step = np.float32(self.round_to // 2), np.float32(self.round_to)
+        return max(self.round_to, self.round_to * int((np.float32(size) + half) / step))
+
+    def candidates(self, low: int, high: int) -> Iterator[int]:
+        """CNTK's candidate sizes from ``low`` while the unrounded size is at most ``high``: a float32
+        grown by ``sqrtf(2)`` each time (so ``8 * sqrt(2)^4`` is 31.999996, within a maximum of 32),
+        rounded; a size equal to the one before is skipped."""
+        size, factor, last = np.float32(low), np.float32(math.sqrt(2.0)), None
+        while size <= high:
+            rounded = self.rounded(float(size))
+            if rounded != last:
+                yield rounded
+            last = rounded
+            size = np.float32(size * factor)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,12 +268,7 @@ class AutoAdjust(Callback):
         snapshot = Snapshot.take(trainer)
         try:
             resize.set_trial(trainer, True)
-            size_f = float(low)
-            while size_f <= high:
-                size = self.rounded(size_f)
-                size_f *= math.sqrt(2.0)
-                if trials and size == trials[-1].batch_size:
-                    continue
+            for size in self.candidates(low, high):
                 if trials and size > count:  # one batch of the same samples again: nothing new to learn
                     break
                 trials.append(Trial(size, self._trial(trainer, pl_module, snapshot, indices, size)))

@@ -122,12 +122,7 @@ def test_trial_losses_and_choice_match_sgd_written_out(lr_scaling, margin, answe
     data = Rows()
     scale = {"linear": lambda s: s / 4, "sqrt": lambda s: math.sqrt(s / 4), "none": lambda s: 1.0}[lr_scaling]
     expected, choice = [], None
-    f = 4.0
-    while f <= 1_048_576:
-        size = max(4, 4 * int((f + 2) / 4))
-        f *= math.sqrt(2)
-        if expected and size == expected[-1][0]:
-            continue
+    for size in (4, 8, 12, 16, 24, 32, 44, 64, 92):  # 4 sqrt(2)^k in float32, rounded to multiples of 4
         if expected and size > 64:
             break
         expected.append((size, trial_loss(start, data, size, 0.01 * scale(size))))
@@ -195,3 +190,6 @@ def test_the_tuning_epochs_follow_cntk():
     # epochs counted from 1: the first three search, then every third
     assert [e + 1 for e in range(10) if auto.searches(e)] == [1, 2, 3, 6, 9]
     assert [auto.rounded(x) for x in (10, 31.9, 32, 95.9, 96, 181.02)] == [64, 64, 64, 64, 128, 192]
+    assert list(AutoAdjust(round_to=4).candidates(4, 64)) == [4, 8, 12, 16, 24, 32, 44, 64]
+    assert list(AutoAdjust(round_to=8).candidates(8, 32)) == [8, 16, 24, 32]  # float32: 31.999996 <= 32
+    assert list(AutoAdjust().candidates(100, 400)) == [128, 192, 256, 384]  # 100, 141, 200, 283, 400
