@@ -123,6 +123,18 @@ class NoiseScaleEstimator:
         self._trace = float(state["trace"])
 
 
+def next_batch_size(
+    size: int, world_size: int, noise_scale: float, growth_factor: float, max_batch_size: int, scale: float = 1.0
+) -> int:
+    """The per-rank batch after a warm-up check: ``size`` grown by ``growth_factor`` (at least by one
+    sample, at most to ``max_batch_size``) when the grown global batch is at most ``scale x
+    noise_scale``; else ``size`` (also while the noise scale is unknown, NaN). Never smaller."""
+    if size >= max_batch_size or math.isnan(noise_scale):
+        return size
+    grown = min(max_batch_size, max(size + 1, round(size * growth_factor)))
+    return grown if grown * world_size <= scale * noise_scale else size
+
+
 def count_sketch(tensors: list[Tensor], size: int, generator: torch.Generator) -> Tensor:
     """A count sketch of the concatenation of ``tensors``: ``size`` float64 buckets.
 
@@ -409,11 +421,11 @@ class GradientNoiseScale(Callback):
         ``max_batch_size``; returns the per-rank batch from the next batch on."""
         assert self.max_batch_size is not None
         size = current_batch_size(trainer)
-        grown = min(self.max_batch_size, max(size + 1, round(size * self.growth_factor)))
         noise_scale = self.estimator.noise_scale  # the same number on every rank
-        if size >= self.max_batch_size or math.isnan(noise_scale):
-            return size
-        if grown * trainer.world_size > self.scale * noise_scale:
+        grown = next_batch_size(
+            size, trainer.world_size, noise_scale, self.growth_factor, self.max_batch_size, self.scale
+        )
+        if grown == size:
             return size
         set_batch_size(trainer, grown, lr_scaling=self.lr_scaling)
         self.history.append((trainer.global_step, grown))

@@ -27,6 +27,7 @@ from lightning_commstrats.batching.noise_scale import (
     GradientNoiseScale,
     NoiseScaleEstimator,
     count_sketch,
+    next_batch_size,
     unbiased_estimates,
 )
 
@@ -147,6 +148,13 @@ def test_the_count_sketch_is_linear_and_its_squared_norm_unbiased():
         ({"measure": "norms"}, "measure"),
         ({"sketch_size": 0}, "sketch_size"),
         ({"seed": 1.5}, "seed"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_batch_size": 8, "min_batch_size": 16}, "max_batch_size=8 is below min_batch_size=16"),
+        ({"min_batch_size": 8}, "min_batch_size is given without max_batch_size"),
+        ({"max_batch_size": 64, "growth_factor": 1.0}, "growth_factor"),
+        ({"max_batch_size": 64, "check_every_n_steps": 0}, "check_every_n_steps"),
+        ({"max_batch_size": 64, "scale": 0}, "scale"),
+        ({"max_batch_size": 64, "lr_scaling": "cubic"}, "lr_scaling"),
     ],
 )
 def test_bad_settings_are_refused_at_construction_by_name(kwargs, setting):
@@ -196,3 +204,15 @@ def test_schemes_that_never_hold_both_gradients_are_refused_with_the_reason(stra
 def test_a_single_rank_is_refused():
     with pytest.raises(ValueError, match="at least 2 ranks"):
         GradientNoiseScale()._mode_for(AllReduceStrategy(), 1)
+
+
+def test_the_batch_grows_while_the_grown_global_batch_stays_within_the_noise_scale():
+    # 2 ranks of 8: grown to 16 a rank, 32 in all, which a noise scale of 32 allows and 31 does not
+    assert next_batch_size(8, 2, 32.0, 2.0, 128) == 16
+    assert next_batch_size(8, 2, 31.9, 2.0, 128) == 8
+    assert next_batch_size(8, 2, 31.9, 2.0, 128, scale=2.0) == 16
+    assert next_batch_size(8, 2, 1e9, 2.0, 12) == 12  # capped
+    assert next_batch_size(12, 2, 1e9, 2.0, 12) == 12
+    assert next_batch_size(8, 2, math.nan, 2.0, 128) == 8  # nothing measured yet
+    assert next_batch_size(1, 1, 1e9, 1.2, 128) == 2  # at least one sample more
+    assert next_batch_size(10, 2, 30.0, 1.5, 128) == 15
