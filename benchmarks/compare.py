@@ -339,6 +339,18 @@ def entries() -> list[Entry]:
             "ours",
             {"scheme": "onebit"},
         ),
+        # 0/1 Adam: fp32 rounds on the variance's doubling schedule up to step 200, 1-bit ones between;
+        # then local steps, the interval doubling every 25 steps up to 16 (benchmarks/results/zero_one_adam).
+        # No cost-model prediction: its bytes per step change along the run.
+        Entry(
+            "zero_one_adam",
+            "zero_one_adam (variance updated up to step 200, then local steps up to 16)",
+            {
+                "class_path": "lightning_commstrats.ZeroOneAdamStrategy",
+                "init_args": {"var_freeze_step": 200, "local_step_scaler": 25},
+            },
+            "ours",
+        ),
         Entry(
             "sampled_vocab",
             "sampled_vocab",

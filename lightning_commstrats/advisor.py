@@ -74,6 +74,7 @@ SCHEMES = (
     "allreduce",
     "onebit_sgd",
     "onebit_adam",
+    "zero_one_adam",
     "sampled_vocab",
     "model_averaging",
     "bmuf",
@@ -116,6 +117,7 @@ SETTINGS = {
     "allreduce": (),
     "onebit_sgd": ("num_quantization_bits", "small_tensor_numel"),
     "onebit_adam": ("freeze_step", "num_quantization_bits", "small_tensor_numel"),
+    "zero_one_adam": ("var_freeze_step", "local_step_clipper", "num_quantization_bits", "small_tensor_numel"),
     "sampled_vocab": ("alpha", "beta", "num_quantization_bits", "error_feedback"),
     "model_averaging": (
         "sync_period",
@@ -469,6 +471,20 @@ def _predict_step(
             " (Adam or AdamW only): quality must be checked"
         )
         return Candidate(scheme, settings, wire_s, compute_seconds + wire_s, nbytes, True, note)
+    if scheme == "zero_one_adam":  # its steady state: a 1-bit round every local_step_clipper steps
+        bits = _int_setting(settings, "num_quantization_bits", 1, EXCHANGE_BITS)
+        freeze = _int_setting(settings, "var_freeze_step", 400)
+        every = _int_setting(settings, "local_step_clipper", 16)
+        if every < 1:
+            raise ValueError(f"settings: local_step_clipper must be an int >= 1, got {every}")
+        nbytes = cost_model.exchange_bytes(model.shapes, n, bits, small_tensor_numel=small) / every
+        wire_s = cost_model.seconds(nbytes, bw)
+        note = (
+            f"after step {freeze} (before it, fp32 rounds on the variance's doubling schedule and {bits}-bit ones"
+            f" between): a {bits}-bit round of the momentum every {every} steps, local steps between (Adam or"
+            " AdamW only): quality must be checked"
+        )
+        return Candidate(scheme, settings, wire_s, compute_seconds + wire_s, nbytes, True, note)
     if scheme == "sampled_vocab":
         return _sampled_vocab(settings, model, bw, compute_seconds, n, tokens_per_rank, sampled_rows)
     return _periodic(scheme, settings, model, bw, compute_seconds, n, small)
@@ -700,6 +716,10 @@ def memory_per_rank(
       of the tensors sent in full precision; at 32 bits the buckets of every gradient;
     - ``onebit_adam``: as ``onebit_sgd`` past the freeze (its momentum travels as ``onebit_sgd``'s
       gradients do; the fp32 warm-up's gradient buckets are released at the freeze);
+    - ``zero_one_adam``: as ``onebit_adam``, with its cached preconditioner (one copy of the
+      parameters) and, with local steps (``local_step_clipper`` > 1), the weights at the last
+      synchronisation and the accumulated momentum (two more); without them, the fp32 rounds'
+      gradient buckets (until ``var_freeze_step``);
     - ``sampled_vocab``: also a flag per word, the frequent words' ids, the last step's row ids (at
       most 8 bytes a word) and,
       with ``error_feedback``, the unsent rows (the vocabulary matrices' size);
@@ -757,8 +777,8 @@ def memory_per_rank(
     settings = _checked_settings(scheme, settings)
     if shard > 1 and scheme not in SHARDABLE:
         raise ValueError(f"shard={shard}: {scheme} does not run sharded; the schemes that do: {SHARDABLE}")
-    if scheme == "onebit_adam" and optimizer not in ("adam", "adamw"):
-        raise ValueError(f"optimizer={optimizer!r}: onebit_adam continues the user's Adam or AdamW")
+    if scheme in ("onebit_adam", "zero_one_adam") and optimizer not in ("adam", "adamw"):
+        raise ValueError(f"optimizer={optimizer!r}: {scheme} continues the user's Adam or AdamW")
     width = PARAM_DTYPES[param_dtype]
     local = [_local_shape(s, shard) for s in model.shapes]
     numel = sum(math.prod(s) for s in local)
@@ -773,6 +793,8 @@ def memory_per_rank(
         parts = []
     else:
         parts = _gradient_state(scheme, settings, model, local, replicas, width)
+    if scheme == "zero_one_adam":
+        parts = _zero_one_adam_state(settings, parts, numel * width, ranks)
     if accelerator == "cpu":
         parts = [(what, nbytes, "host") for what, nbytes, _ in parts]
     where = "host" if accelerator == "cpu" else "device"
@@ -803,6 +825,24 @@ def _residuals(shapes: Sequence[tuple[int, ...]], ranks: int, small: int, by_row
             4 * sum(_stripe_numel(s, ranks, by_rows) for s in quantized),
         ),
     ]
+
+
+def _zero_one_adam_state(
+    settings: Mapping[str, Any], parts: list[tuple[str, int, str]], params: int, ranks: int
+) -> list[tuple[str, int, str]]:
+    """``zero_one_adam``'s state at its largest: the quantized exchange's (as ``onebit_adam``'s), its
+    cached preconditioner, and either the weights at the last synchronisation and ``u_i`` (with local
+    steps; kept once made) or the fp32 rounds' gradient buckets (without: they are the larger then)."""
+    parts = [*parts, ("the preconditioner sqrt(v) + eps, cached", params, "device")]
+    if _int_setting(settings, "local_step_clipper", 16) > 1:
+        return [
+            *parts,
+            ("the weights at the last synchronisation", params, "device"),
+            ("the accumulated momentum u", params, "device"),
+        ]
+    if ranks > 1:
+        parts.append(("gradient buckets of the fp32 rounds (until var_freeze_step)", params, "device"))
+    return parts
 
 
 def _gradient_state(
@@ -896,6 +936,8 @@ def default_settings(
         return [{}]
     if scheme in ("onebit_sgd", "onebit_adam"):
         return [{"num_quantization_bits": b} for b in ONEBIT_BITS]
+    if scheme == "zero_one_adam":
+        return [{"num_quantization_bits": 1, "local_step_clipper": h} for h in (1, 4, 16)]
     if scheme == "sampled_vocab":
         return [dict(SAMPLED_VOCAB)]
     if scheme in ("model_averaging", "bmuf"):
@@ -971,7 +1013,11 @@ def advise(
         vocab = model.vocab_size and model.vocab_width
         adam = optimizer in ("adam", "adamw")  # onebit_adam continues the user's Adam
         candidates = [
-            s for s in SCHEMES if s != "local_sgd" and (vocab or s != "sampled_vocab") and (adam or s != "onebit_adam")
+            s
+            for s in SCHEMES
+            if s != "local_sgd"
+            and (vocab or s != "sampled_vocab")
+            and (adam or s not in ("onebit_adam", "zero_one_adam"))
         ]
     elif isinstance(candidates, (str, bytes)):
         raise ValueError(f"candidates must be a list of scheme names or (scheme, settings) pairs, got {candidates!r}")

