@@ -3,7 +3,7 @@
 McCandlish et al. (2018, "An Empirical Model of Large-Batch Training", Appendix A): the gradient of
 a batch of ``B`` samples drawn independently has ``E |G_B|^2 = |G|^2 + tr(Sigma) / B``, where ``G`` is
 the true gradient and ``Sigma`` the covariance of one sample's gradient. Two batch sizes give two
-equations; solved for the unknowns, they are unbiased estimates
+equations; solved for the unknowns, they are unbiased estimates::
 
     |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)

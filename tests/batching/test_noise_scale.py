@@ -216,3 +216,16 @@ def test_the_batch_grows_while_the_grown_global_batch_stays_within_the_noise_sca
     assert next_batch_size(8, 2, math.nan, 2.0, 128) == 8  # nothing measured yet
     assert next_batch_size(1, 1, 1e9, 1.2, 128) == 2  # at least one sample more
     assert next_batch_size(10, 2, 30.0, 1.5, 128) == 15
+
+
+def test_the_callback_state_round_trips_through_a_checkpoint():
+    saved = GradientNoiseScale(beta=0.5, max_batch_size=64)
+    saved.estimator.update(4.0, 3.0, 8, 16)
+    saved.history = [(20, 16), (40, 32)]
+    state = saved.state_dict()
+    assert state["batch_size"] == 32
+    resumed = GradientNoiseScale(beta=0.5, max_batch_size=64)
+    resumed.load_state_dict(state)
+    assert resumed.estimator.state_dict() == saved.estimator.state_dict()
+    assert resumed.history == saved.history
+    assert resumed._resumed_size == 32  # the per-rank batch on_train_start sets again
