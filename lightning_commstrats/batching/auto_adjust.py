@@ -168,6 +168,14 @@ class AutoAdjust(Callback):
             return
         self._trainer = trainer
         check_rollback(trainer.strategy)
+        if getattr(trainer.strategy, "sync_period_unit", None) == "steps":
+            log_rank_zero(
+                log,
+                logging.WARNING,
+                "%s counts sync_period in optimizer steps: once AutoAdjust grows the batch, a period holds more"
+                " samples; sync_period_unit='samples' keeps it a number of samples (CNTK's unit)",
+                type(trainer.strategy).__name__,
+            )
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "AutoAdjust trains its trials with Lightning's automatic optimization; this module is manual"

@@ -63,19 +63,17 @@ class Linear(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def fit(model: L.LightningModule, callbacks: list, epochs: int = 1, **kwargs) -> L.Trainer:
+def fit(model: L.LightningModule, callbacks: list, epochs: int = 1, ckpt_path=None, **kwargs) -> L.Trainer:
+    settings = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
         enable_model_summary=False,
-        **kwargs,
+        **{**settings, **kwargs},
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -193,3 +191,63 @@ def test_the_tuning_epochs_follow_cntk():
     assert list(AutoAdjust(round_to=4).candidates(4, 64)) == [4, 8, 12, 16, 24, 32, 44, 64]
     assert list(AutoAdjust(round_to=8).candidates(8, 32)) == [8, 16, 24, 32]  # float32: 31.999996 <= 32
     assert list(AutoAdjust().candidates(100, 400)) == [128, 192, 256, 384]  # 100, 141, 200, 283, 400
+
+
+def test_a_decayed_learning_rate_raises_the_smallest_candidate_as_cntk():
+    # the rate falls to a quarter after epoch 0: CNTK raises the minimum by 1 / sqrt(1/4) = 2, so
+    # epoch 1 (whose previous choice CNTK ignores) starts its candidates at 8, not 4
+    class Decaying(Linear):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.25)]
+
+    model = Decaying(penalty_above=4, lr=1e-3)
+    auto = AutoAdjust(search_samples=16, round_to=4, lr_scaling="none")
+    trainer = fit(model, [auto], epochs=2)
+    assert [h["trials"][0][0] for h in auto.history] == [4, 8]
+    # from 8 on every size is punished alike: the search grows to the 16 search samples
+    assert [h["chosen"] for h in auto.history] == [4, 16]
+    assert float(trainer.callback_metrics["train/batch_size"]) == 16.0
+
+
+def test_the_choice_and_the_learning_rate_factor_survive_a_checkpoint(tmp_path):
+    class Seen(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.size = current_batch_size(trainer)
+            self.lr = trainer.optimizers[0].param_groups[0]["lr"]
+
+    # a margin so wide that every size passes: the search grows to the 16 search samples
+    model = Linear(lr=0.0)
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+    auto = AutoAdjust(search_samples=16, round_to=4, lr_scaling="linear", max_batch_size=16, error_margin=1e6)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = fit(model, [auto, ckpt], epochs=1, enable_checkpointing=True)
+    assert auto.history[0]["chosen"] == 16 and trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.4)
+    resumed_auto, seen = (
+        AutoAdjust(search_samples=16, round_to=4, lr_scaling="linear", max_batch_size=16, error_margin=1e6),
+        Seen(),
+    )
+    model = Linear(lr=0.0)
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+    trainer = fit(model, [resumed_auto, seen], epochs=2, ckpt_path=tmp_path / "last.ckpt")
+    assert seen.size == 16 and seen.lr == pytest.approx(0.4)  # as the checkpoint left them
+    assert [h["epoch"] for h in resumed_auto.history] == [0, 1]
+    assert resumed_auto.history[1]["previous"] == 16  # epoch 1 searched from 16, its rate not scaled twice
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * resumed_auto.history[1]["chosen"] / 4)
+
+
+def test_strategies_whose_state_cannot_be_rolled_back_are_refused_by_name():
+    from lightning_commstrats import AllReduceStrategy, DiLoCoStrategy, OneBitSGDStrategy, ParameterServerStrategy
+    from lightning_commstrats.batching.auto_adjust import check_rollback
+
+    with pytest.raises(ValueError, match=r"ParameterServerStrategy\(mode='async'\)"):
+        check_rollback(ParameterServerStrategy(mode="async"))
+    with pytest.raises(ValueError, match=r"AllReduceStrategy\(shard='fsdp'\)"):
+        check_rollback(AllReduceStrategy(shard="fsdp"))
+    ft = DiLoCoStrategy(fault_tolerance={"lighthouse": "http://127.0.0.1:29510", "replica_id": "a"})
+    with pytest.raises(ValueError, match="DiLoCoStrategy with fault_tolerance"):
+        check_rollback(ft)
+    with pytest.raises(ValueError, match="FSDPStrategy"):
+        check_rollback(L.pytorch.strategies.FSDPStrategy())
+    for fine in (ParameterServerStrategy(mode="sync"), OneBitSGDStrategy(), DiLoCoStrategy()):
+        check_rollback(fine)
