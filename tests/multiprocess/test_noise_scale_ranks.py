@@ -18,7 +18,7 @@ WORKER = Path(__file__).parent / "noise_scale_worker.py"
 BETA, BATCH, STEPS, WORLD = 0.5, 4, 8, 2
 
 
-def by_hand(ranks: list[dict], *, sketch: int | None = None, seed: int = 0) -> list[float]:
+def by_hand(ranks: list[dict], *, sketch: int | None = None, seed: int = 0, accumulate: int = 1) -> list[float]:
     """The noise scale after every step, from the ranks' own gradients (float64), written from the
     paper's equations: the mean of the ranks' squared norms at B_small, the squared norm of their
     average at B_big, the two unbiased estimates averaged apart, then their ratio."""
@@ -26,8 +26,8 @@ def by_hand(ranks: list[dict], *, sketch: int | None = None, seed: int = 0) -> l
     out = []
     for t in range(STEPS):
         own = [torch.cat([g.double().reshape(-1) for g in r["own"][t].values()]) for r in ranks]
-        b_small = ranks[0]["batches"][t]
-        assert all(r["batches"][t] == b_small for r in ranks)
+        b_small = sum(ranks[0]["batches"][t * accumulate : (t + 1) * accumulate])  # the step's samples
+        assert all(r["batches"] == ranks[0]["batches"] for r in ranks)
         b_big = b_small * len(ranks)
         small = sum(float(g.square().sum()) for g in own) / len(own)
         if sketch is None:
@@ -88,9 +88,24 @@ def test_the_logged_noise_scale_is_the_one_computed_by_hand_and_the_batch_grows_
 
 
 @pytest.mark.slow
-def test_under_onebit_sgd_the_sketch_of_each_ranks_gradient_is_measured_not_the_quantized_average():
-    spec = {"scenarios": {"onebit": scenario("onebit_sgd", small_tensor_numel=16)}}
-    ranks = [r["onebit"] for r in run_ranks(spec, WORLD, script=WORKER, timeout=240)]
+def test_under_onebit_sgd_the_sketch_of_each_ranks_gradient_is_measured_and_accumulation_counts_its_batches():
+    spec = {
+        "scenarios": {
+            "onebit": scenario("onebit_sgd", small_tensor_numel=16),
+            "accumulate": {**scenario("allreduce"), "accumulate": 2},
+        }
+    }
+    results = run_ranks(spec, WORLD, script=WORKER, timeout=240)
+    # with gradient accumulation, a step's B_small is the samples of its 2 batches
+    ranks = [r["accumulate"] for r in results]
+    expected = by_hand(ranks, accumulate=2)
+    for r in ranks:
+        assert len(r["batches"]) == 2 * STEPS
+        got = [s["train/noise_scale"] for s in r["logged"]]
+        print("accumulate 2, logged:", [f"{v:.4f}" for v in got], "by hand:", [f"{v:.4f}" for v in expected])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0, equal_nan=True)
+    same_on_every_rank(ranks)
+    ranks = [r["onebit"] for r in results]
     assert [r["mode"] for r in ranks] == ["sketch", "sketch"]
     expected = by_hand(ranks, sketch=256)
     for r in ranks:
