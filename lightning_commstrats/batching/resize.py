@@ -119,7 +119,11 @@ class ResizableBatchSampler(BatchSampler):
         """The next ``n`` (or fewer, at the epoch's end) indices this rank will train on, after the
         ones handed out. Between two epochs (or before the first), the first ones of the next epoch:
         call it after the sampler's ``set_epoch`` (in ``on_train_epoch_start`` or later)."""
-        if not self._ready and (not self._running or self._exhausted()):
+        epoch = getattr(self.sampler, "epoch", None)
+        if self._running and not self._exhausted():
+            if self.position == 0 and self._key != epoch:  # made before set_epoch: the order it will use
+                self._draw()
+        elif not (self._ready and self._key == epoch):
             self._draw()
             self._ready, self._running = True, False
         return self._order[self.position : self.position + n]

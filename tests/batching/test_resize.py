@@ -163,3 +163,35 @@ def test_loaders_it_cannot_resize_are_refused_by_name(loader, match):
 
     with pytest.raises((ValueError, TypeError), match=match):
         fit(Model(), Resize({}), epochs=1)
+
+
+def test_a_reloaded_dataloader_keeps_the_size_in_use():
+    model = Recorder(n=30, batch_size=4)
+    fit(model, Resize({(0, 0): 6}), epochs=2, reload_dataloaders_every_n_epochs=1)
+    assert [[len(b) for b in epoch] for epoch in model.seen] == [[4, 6, 6, 6, 6, 2], [6, 6, 6, 6, 6]]
+
+
+def test_resizing_needs_the_sampler_in_place_before_the_epoch_starts():
+    class Late(Resize):
+        def on_train_start(self, trainer, pl_module):
+            pass
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            pass
+
+    with pytest.raises(RuntimeError, match="before the epoch's first batch"):
+        fit(Recorder(n=30, batch_size=4), Late({(0, 1): 8}), epochs=1)
+
+
+def test_upcoming_follows_set_epoch_until_the_first_batch_is_drawn():
+    from torch.utils.data.distributed import DistributedSampler
+
+    inner = DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler = ResizableBatchSampler(inner, 2)
+    it = iter(sampler)  # made before set_epoch, as Lightning does when a run resumes at epoch 5
+    inner.set_epoch(5)
+    expected = list(inner)
+    assert sampler.upcoming(3) == expected[:3]
+    assert [i for b in it for i in b] == expected
+    inner.set_epoch(6)
+    assert sampler.upcoming(8) == list(inner)  # between epochs: the next epoch's
