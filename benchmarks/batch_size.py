@@ -208,6 +208,46 @@ def table(results: list[dict[str, Any]], target: float) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict[str, Any]], target: float, path: Path) -> None:
+    """Validation perplexity against samples, optimizer steps, MB sent and training seconds: one row per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strategies = list(dict.fromkeys(r["strategy"] for r in results))
+    axes_of = (
+        ("samples", "samples (both ranks)", 1),
+        ("steps", "optimizer steps", 1),
+        ("bytes", "MB sent (rank 0)", 1e6),
+    )
+    axes_of += (("train_seconds", "training seconds", 1),)
+    fig, axes = plt.subplots(len(strategies), len(axes_of), figsize=(14, 3.4 * len(strategies)), squeeze=False)
+    colour = {"fixed": "C0", "auto_adjust": "C2", "noise_scale": "C3"}
+    for row, strategy in zip(axes, strategies, strict=True):
+        for r in (r for r in results if r["strategy"] == strategy):
+            style = "-" if r["seed"] == min(x["seed"] for x in results) else "--"
+            for ax, (key, label, unit) in zip(row, axes_of, strict=True):
+                ax.plot(
+                    [p[key] / unit for p in r["points"]],
+                    [p["ppl"] for p in r["points"]],
+                    style,
+                    marker="o",
+                    ms=3,
+                    color=colour.get(r["schedule"], "k"),
+                    label=f"{r['schedule']}, seed {r['seed']}",
+                )
+                ax.set_xlabel(label)
+        for ax in row:
+            ax.axhline(target, color="grey", lw=0.7)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3, which="both")
+        row[0].set_ylabel(f"{strategy}: validation ppl")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Software": None})
+
+
 def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -229,15 +269,19 @@ def main() -> None:
     parser.add_argument("--lr_scaling", default="sqrt")
     parser.add_argument("--onebit_warm_start", type=int, default=1_600, help="onebit_sgd: fp32 samples first")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "batch_size"))
+    parser.add_argument("--table-only", action="store_true", help="rewrite the table and plot from results.json")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for strategy in args.strategies:
-        for seed in args.seeds:
-            for schedule in args.schedules:
-                results.append(run(strategy, schedule, seed, args, extra))
-                (out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.table_only:
+        results = json.loads((out / "results.json").read_text())
+    else:
+        results = []
+        for strategy in args.strategies:
+            for seed in args.seeds:
+                for schedule in args.schedules:
+                    results.append(run(strategy, schedule, seed, args, extra))
+                    (out / "results.json").write_text(json.dumps(results, indent=1))
     # default target: the worst final perplexity of the fixed-batch runs, so the baseline reaches it
     fixed = [r["points"][-1]["ppl"] for r in results if r["schedule"] == "fixed"]
     target = args.target or math.ceil(max(fixed or [r["points"][-1]["ppl"] for r in results]))
@@ -247,6 +291,7 @@ def main() -> None:
         f" extra `{' '.join(extra)}`\n\n" + table(results, target)
     )
     (out / "results.md").write_text(md + "\n")
+    plot(results, target, out / "perplexity.png")
     print(md)
 
 
