@@ -91,10 +91,22 @@ class AutoAdjust(Callback):
     world size to compare); a candidate above the number of search samples ends the search (its
     trial would be the search samples in one batch again); a trial whose loss is not finite counts
     as beyond the margin (CNTK keeps growing past a NaN); rounding never gives 0 (CNTK rounds
-    sizes below 32 to 0); duplicate sizes after rounding are tried once.
+    sizes below 32 to 0); duplicate sizes after rounding are tried once; a size rounded up past
+    ``max_batch_size`` is not tried.
 
-    The trials' communication is real and counted by the strategy's statistics (it is what the
-    search costs; each search's bytes are in :attr:`history`).
+    Not rolled back: the trials' communication, which is real and counted by the strategy's
+    statistics (it is what the search costs: each search's bytes are in :attr:`history`; the
+    ``[comm]`` summary's step count includes the trials' steps); a ``LightningModule``'s Python
+    attributes other than its parameters, buffers and torchmetrics states; what another callback's
+    hooks kept from a trial (:func:`~lightning_commstrats.batching.in_trial` tells them). Their
+    ``self.log`` calls during a trial are dropped. On one device with ``shuffle=True`` (a
+    ``RandomSampler`` drawing from the global generator) the epoch's order is drawn when the
+    search reads it, so the run shuffles differently from one without the callback; on several
+    ranks the ``DistributedSampler``'s order is fixed by its seed and the epoch.
+
+    An epoch that searches trains at the chosen size from its first batch (with ``num_workers=w``,
+    after the batches the workers already hold in the first epoch); it has fewer batches when the
+    size grew, and its samples are the same.
 
     Args:
         tuning_frequency: search every this many epochs (CNTK's ``minibatchSizeTuningFrequency``,
@@ -277,6 +289,8 @@ class AutoAdjust(Callback):
         try:
             resize.set_trial(trainer, True)
             for size in self.candidates(low, high):
+                if trials and size > self.max_batch_size:  # rounded up past the maximum
+                    break
                 if trials and size > count:  # one batch of the same samples again: nothing new to learn
                     break
                 trials.append(Trial(size, self._trial(trainer, pl_module, snapshot, indices, size)))

@@ -224,6 +224,11 @@ def make_resizable(trainer: pl.Trainer) -> ResizableBatchSampler:
     it gets the size in use)."""
     state = _state(trainer)
     loader = _train_loader(trainer)
+    if trainer.limit_train_batches != 1.0:
+        raise ValueError(
+            f"limit_train_batches={trainer.limit_train_batches!r} counts batches, whose size changes here;"
+            " leave it at 1.0 (use max_steps to shorten a run)"
+        )
     if isinstance(loader.batch_sampler, ResizableBatchSampler):
         if state.sampler is not None and loader.batch_sampler is not state.sampler:
             loader.batch_sampler.size = state.sampler.size  # a DataLoader of the user's, reloaded
@@ -232,7 +237,7 @@ def make_resizable(trainer: pl.Trainer) -> ResizableBatchSampler:
         return loader.batch_sampler
     if state.loader is loader and state.sampler is not None:
         return state.sampler
-    _check_resizable(trainer, loader)
+    _check_resizable(loader)
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None and fetcher.fetched > 0 and not fetcher.done:
         raise RuntimeError(
@@ -262,7 +267,7 @@ def make_resizable(trainer: pl.Trainer) -> ResizableBatchSampler:
     return sampler
 
 
-def _check_resizable(trainer: pl.Trainer, loader: Any) -> None:
+def _check_resizable(loader: Any) -> None:
     if not isinstance(loader, DataLoader):
         raise TypeError(f"a batch size that changes needs a torch DataLoader for training, got {type(loader).__name__}")
     if isinstance(loader.dataset, IterableDataset) or not isinstance(loader.dataset, Sized):
@@ -274,11 +279,6 @@ def _check_resizable(trainer: pl.Trainer, loader: Any) -> None:
             "a batch size that changes needs a DataLoader built with batch_size=... (a plain BatchSampler);"
             f" this one has batch_sampler={type(loader.batch_sampler).__name__}. Build it with"
             " batch_sampler=lightning_commstrats.batching.ResizableBatchSampler(sampler, batch_size, drop_last)"
-        )
-    if trainer.limit_train_batches != 1.0:
-        raise ValueError(
-            f"limit_train_batches={trainer.limit_train_batches!r} counts batches, whose size changes here;"
-            " leave it at 1.0 (use max_steps to shorten a run)"
         )
 
 
