@@ -251,3 +251,31 @@ def test_strategies_whose_state_cannot_be_rolled_back_are_refused_by_name():
         check_rollback(L.pytorch.strategies.FSDPStrategy())
     for fine in (ParameterServerStrategy(mode="sync"), OneBitSGDStrategy(), DiLoCoStrategy()):
         check_rollback(fine)
+
+
+def test_the_loss_scaler_is_rolled_back():
+    # layered fp16 with dynamic loss scaling on one rank of allreduce: each trial step counts a clean
+    # step in the scaler (growth_interval 3: the scale doubles within a trial); after the search the
+    # scaler is where it was, and the trained epoch moves it as a run without the search would
+    from lightning_commstrats import AllReduceStrategy, LayeredMixedPrecision
+
+    class Probe(AutoAdjust):
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.before = dict(trainer.precision_plugin.state_dict()["scaler"])
+            self.ends = []
+            super().on_train_epoch_start(trainer, pl_module)
+
+        def _trial(self, trainer, pl_module, snapshot, indices, size):
+            loss = super()._trial(trainer, pl_module, snapshot, indices, size)
+            self.ends.append(dict(trainer.precision_plugin.state_dict()["scaler"]))
+            return loss
+
+        def _choose(self, trainer, size, epoch, trials, spent):
+            self.after = dict(trainer.precision_plugin.state_dict()["scaler"])
+            super()._choose(trainer, size, epoch, trials, spent)
+
+    probe = Probe(search_samples=16, round_to=4, lr_scaling="none")
+    plugin = LayeredMixedPrecision("O1", dtype="fp16", device="cpu", growth_interval=3, init_scale=2.0**6)
+    fit(Linear(penalty_above=4), [probe], strategy=AllReduceStrategy(), plugins=[plugin])
+    assert probe.ends[0] == {"scale": 2.0**7, "clean_steps": 1, "skipped_steps": 0}  # 4 steps: one growth
+    assert probe.after == probe.before == {"scale": 2.0**6, "clean_steps": 0, "skipped_steps": 0}
