@@ -60,7 +60,7 @@ def test_several_configs_apply_in_order_and_inline_yaml_passes_through(capsys):
 @pytest.mark.parametrize("value", ["no_such_config", "no_such_config.yaml", "recipes/configs/lstm_tiny.yaml"])
 def test_an_unknown_name_is_a_usage_error_that_lists_the_packaged_names(value, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="packaged configs: ffn_paper, lstm_demo"):
+    with pytest.raises(ValueError, match="packaged configs: ffn_paper, lstm_autoadjust, lstm_demo"):
         resolve_config(value)
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", value])
