@@ -276,7 +276,7 @@ class AutoAdjust(Callback):
             self._choose(trainer, high, epoch, [], 0)
             return
         wanted = self.search_samples or CNTK_SEARCH_BATCHES * self._start_size
-        indices = sampler.upcoming(wanted)
+        indices = sampler.upcoming(wanted, consumed=0)  # DataLoader workers may hold the first batches
         count = _agree_min(trainer, len(indices))  # every rank trains the same number of steps
         indices = indices[:count]
         if count == 0:

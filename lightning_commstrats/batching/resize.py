@@ -95,6 +95,7 @@ class ResizableBatchSampler(BatchSampler):
         self._running = False  # an epoch's batches are being handed out
         self.position = 0
         self.batches = 0  # batches handed out this epoch
+        self._sizes: list[int] = []  # their sizes
 
     @property
     def size(self) -> int:
@@ -110,15 +111,18 @@ class ResizableBatchSampler(BatchSampler):
         self._key = getattr(self.sampler, "epoch", None)
         self.position = 0
         self.batches = 0
+        self._sizes = []
 
     def _exhausted(self) -> bool:
         left = len(self._order) - self.position
         return left <= 0 or (self.drop_last and left < self.batch_size)
 
-    def upcoming(self, n: int) -> list[int]:
-        """The next ``n`` (or fewer, at the epoch's end) indices this rank will train on, after the
-        ones handed out. Between two epochs (or before the first), the first ones of the next epoch:
-        call it after the sampler's ``set_epoch`` (in ``on_train_epoch_start`` or later)."""
+    def upcoming(self, n: int, consumed: int | None = None) -> list[int]:
+        """The next ``n`` (or fewer, at the epoch's end) indices this rank will train on: after the
+        first ``consumed`` batches of the epoch (those the training loop has taken; DataLoader
+        workers may hold more), or after all the batches handed out (``None``). Between two epochs
+        (or before the first), the first ones of the next epoch: call it after the sampler's
+        ``set_epoch`` (in ``on_train_epoch_start`` or later)."""
         epoch = getattr(self.sampler, "epoch", None)
         if self._running and not self._exhausted():
             if self.position == 0 and self._key != epoch:  # made before set_epoch: the order it will use
@@ -126,7 +130,8 @@ class ResizableBatchSampler(BatchSampler):
         elif not (self._ready and self._key == epoch):
             self._draw()
             self._ready, self._running = True, False
-        return self._order[self.position : self.position + n]
+        start = self.position if consumed is None else sum(self._sizes[:consumed])
+        return self._order[start : start + n]
 
     def __iter__(self) -> Iterator[list[int]]:
         # The epoch begins when its iterator is made (as a DataLoader iterator is made), so that
@@ -148,6 +153,7 @@ class ResizableBatchSampler(BatchSampler):
             batch = self._order[self.position : self.position + self.batch_size]
             self.position += len(batch)
             self.batches += 1
+            self._sizes.append(len(batch))
             yield batch
 
     def __len__(self) -> int:

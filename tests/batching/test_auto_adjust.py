@@ -279,3 +279,37 @@ def test_the_loss_scaler_is_rolled_back():
     fit(Linear(penalty_above=4), [probe], strategy=AllReduceStrategy(), plugins=[plugin])
     assert probe.ends[0] == {"scale": 2.0**7, "clean_steps": 1, "skipped_steps": 0}  # 4 steps: one growth
     assert probe.after == probe.before == {"scale": 2.0**6, "clean_steps": 0, "skipped_steps": 0}
+
+
+def test_with_dataloader_workers_the_trials_still_take_the_epochs_first_samples():
+    # two workers hold two batches each (of the size before the search) when the first epoch starts:
+    # they come first, then the chosen size; the trials trained on the epoch's first 16 samples
+    class Indexed(Rows):
+        def __getitem__(self, i: int):
+            return self.x[i], self.y[i], i
+
+    class Model(Linear):
+        def __init__(self):
+            super().__init__(lr=0.01)
+            self.trained, self.tried = [], []
+
+        def train_dataloader(self):
+            return DataLoader(Indexed(), batch_size=4, num_workers=2)
+
+        def training_step(self, batch, batch_idx):
+            x, y, i = batch
+            if in_trial(self.trainer):
+                if batch_idx == 0:
+                    self.tried.append([])
+                self.tried[-1].extend(i.tolist())
+            else:
+                self.trained.append(i.tolist())
+            return super().training_step((x, y), batch_idx)
+
+    model = Model()
+    auto = AutoAdjust(search_samples=16, round_to=4, lr_scaling="none", error_margin=1e6, max_batch_size=16)
+    fit(model, [auto])
+    assert auto.history[0]["chosen"] == 16
+    assert all(trial == list(range(16)) for trial in model.tried) and len(model.tried) == 4  # 4, 8, 12, 16
+    assert [len(b) for b in model.trained] == [4, 4, 4, 4, 16, 16, 16]
+    assert [i for b in model.trained for i in b] == list(range(64))
