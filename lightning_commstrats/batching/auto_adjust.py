@@ -34,6 +34,7 @@ from lightning_commstrats.batching.resize import LR_SCALINGS, lr_scale
 
 log = logging.getLogger(__name__)
 
+_SCALARS = (int, float, bool)
 CNTK_SEARCH_BATCHES = 500  # CNTK's numMiniBatch4LRSearch: the search trains on this many batches' samples
 
 
@@ -491,7 +492,9 @@ class Snapshot:
             s.strategy = (copy.deepcopy(strategy.state_dict()), copy.deepcopy(strategy.rank_state_dict()))
             if strategy.two_level is not None:
                 s.two_level = copy.deepcopy(strategy.two_level.state_dict())
-            s.scalars = {k: v for k, v in vars(strategy).items() if type(v) in (int, float, bool)}
+            # counters outside the state dicts (samples at the last step, a run's sync count found at
+            # its first batch...), and those still unset (None) that a trial may set
+            s.scalars = {k: v for k, v in vars(strategy).items() if v is None or type(v) in _SCALARS}
         s.rng = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
@@ -511,7 +514,8 @@ class Snapshot:
             if self.two_level is not None:
                 strategy.two_level.load_state_dict(copy.deepcopy(self.two_level))
             for key, value in self.scalars.items():
-                setattr(strategy, key, value)
+                if value is not None or type(getattr(strategy, key, None)) in _SCALARS:
+                    setattr(strategy, key, value)
         with torch.no_grad():
             for t, saved in self.tensors:
                 t.copy_(saved)

@@ -2,7 +2,8 @@
 
 Usage: ``autoadjust_worker.py SPEC_JSON OUT_DIR``; SPEC is ``{"scenarios": {name: scenario}}`` with
 keys ``strategy`` (a registry name), ``kwargs`` (its arguments), ``auto`` (AutoAdjust's arguments),
-``epochs``, ``batch_size``, ``samples`` (the dataset's size) and ``seed``.
+``epochs``, ``batch_size``, ``samples`` (the dataset's size), ``optimizer`` ("sgd" with momentum, the
+default, or "adam") and ``seed``.
 
 The model is a small MLP (momentum SGD, a dropout so every step draws random numbers) on a dataset
 whose sample ``i`` carries ``i``, so the worker knows which samples each step trained on. Around
@@ -45,8 +46,9 @@ class Numbered(Dataset):
 
 
 class Mlp(L.LightningModule):
-    def __init__(self, batch_size: int, samples: int) -> None:
+    def __init__(self, batch_size: int, samples: int, optimizer: str = "sgd") -> None:
         super().__init__()
+        self.optimizer = optimizer
         self.net = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Dropout(0.1), nn.Linear(48, 2))
         self.bs, self.samples = batch_size, samples
         self.trained: list[list[int]] = []  # per epoch, the samples the epoch trained on
@@ -71,6 +73,8 @@ class Mlp(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
@@ -132,7 +136,7 @@ class Probe(AutoAdjust):
 
 def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     L.seed_everything(sc.get("seed", 7), verbose=False)
-    model = Mlp(sc.get("batch_size", 4), sc.get("samples", 128))
+    model = Mlp(sc.get("batch_size", 4), sc.get("samples", 128), sc.get("optimizer", "sgd"))
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
     probe = Probe(**sc.get("auto", {}))
     trainer = L.Trainer(

@@ -1,6 +1,7 @@
-"""AutoAdjust on two real ranks, with a gradient scheme (``onebit_sgd``: error-feedback residuals), a
-periodic one (``diloco``, its period in samples, 8-bit pseudo-gradients with residuals), the
-synchronous parameter server (the servers' shards) and ``local_sgd`` under ``mpiexec``: the trial
+"""AutoAdjust on two real ranks, with a gradient scheme (``onebit_sgd``: error-feedback residuals),
+periodic ones (``diloco``, its period in samples, 8-bit pseudo-gradients with residuals;
+``streaming_diloco``, fragments in flight; ``sparseloco``), the synchronous parameter server (the
+servers' shards) and ``local_sgd`` under ``mpiexec``: the trial
 mini-epochs leave every rank's model, optimizer, scheme state, counters, random numbers and data
 position exactly as before the search, and every rank picks the same size."""
 
@@ -24,6 +25,20 @@ SCENARIOS = {
         "kwargs": {"sync_period": 16, "sync_period_unit": "samples", "pseudo_grad_bits": 8},
         "auto": AUTO,
         "epochs": 3,
+    },
+    # fragments in flight across a trial's end; a sync count SparseLoCo finds at the fit's first batch
+    "streaming_diloco": {
+        "strategy": "streaming_diloco",
+        "kwargs": {"sync_period": 4, "num_fragments": 2, "fragment_sync_delay": 1},
+        "auto": AUTO,
+        "epochs": 2,
+    },
+    "sparseloco": {
+        "strategy": "sparseloco",
+        "kwargs": {"sync_period": 2},
+        "auto": AUTO,
+        "epochs": 2,
+        "optimizer": "adam",
     },
     "parameter_server": {"strategy": "parameter_server", "kwargs": {"mode": "sync"}, "auto": AUTO, "epochs": 2},
     "local_sgd": {"strategy": "local_sgd", "kwargs": {"sync_period": 2}, "auto": AUTO, "epochs": 2},
@@ -51,6 +66,8 @@ def same(a: Any, b: Any) -> bool:
 SCHEMES = [
     "onebit",
     pytest.param("diloco", marks=pytest.mark.slow),
+    pytest.param("streaming_diloco", marks=pytest.mark.slow),
+    pytest.param("sparseloco", marks=pytest.mark.slow),
     pytest.param("parameter_server", marks=pytest.mark.slow),
     pytest.param("local_sgd", marks=[pytest.mark.slow, pytest.mark.mpi]),
 ]
