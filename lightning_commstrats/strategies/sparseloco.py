@@ -76,9 +76,14 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     and an independent implementation of the published form at 300.7 against 165.1 alone, 4 ranks,
     192 steps), so switching would not make the default safe, and it would change what every
     existing configuration trains (a checkpoint's error feedback names its form and is refused by
-    the other). Measured here (``benchmarks/results/sparseloco/``: the recipe's LSTM with AdamW, 2
-    ranks, 192 steps, ``sync_period=16``, one seed): ``"chunks"`` 249.2, ``"published"`` 235.2, fp32
-    ``diloco`` 181.3, at about 2,600x and 2,550x fewer bytes than fp32 DDP (``diloco`` 16x).
+    the other). Nor would a density schedule on by default: measured here
+    (``benchmarks/results/sparseloco/``: the recipe's LSTM with AdamW, 2 ranks, 192 steps,
+    ``sync_period=16``, seeds 0 and 1) ``"chunks"`` ends at 249.2 and 251.0, ``"published"`` at 235.2
+    and 242.0, ``"published"`` with ``topk_schedule="run"`` at 219.9 and 222.2, each rank alone at
+    212.5 and 199.7, fp32 ``diloco`` at 181.3 and 180.1, and the dense statistical codec
+    (``DiLoCoStrategy(pseudo_grad_codec="statistical")``, 2 bits, error feedback 0.95, outer lr 1) at
+    185.9 and 184.3; at about 2,650x, 2,650x, 1,010x, 16x and 250x fewer bytes than fp32 DDP. With 12
+    syncs only a dense exchange beat the ranks alone; the strategy warns instead (see below).
 
     Bytes: one payload per rank and sync is ``C * (8 + (k * (l + bits) + k + (chunk >> l)) / 8)``
     bytes for ``C`` chunks, ``l = floor(log2(chunk / k))`` (8 bytes of scales, the Elias-Fano
