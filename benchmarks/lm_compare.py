@@ -123,13 +123,14 @@ def table(results: list[dict[str, Any]], devices: int) -> str:
         grad = sum(v for k, v in rank0.items() if k.startswith("grad") and k.endswith("/bytes_sent"))
         q = rank0.get("grad_quantized/bytes_sent", 0)
         q_steps = rank0.get("grad_quantized/calls", 0) // 2  # two collectives per quantized step
-        per_step = (rank0["bytes_sent"] - rank0.get("setup/bytes_sent", 0)) / steps  # without the first broadcast
+        # without the first broadcast; a strategy that counts no bytes (ddp: the ranks alone) shows 0
+        per_step = (rank0.get("bytes_sent", 0) - rank0.get("setup/bytes_sent", 0)) / steps
         ratio = "-"
         if q:
             small = r["kwargs"].get("small_tensor_numel", 1024)
             _, qn = quantized_numel(r["hparams"], small)
             ratio = f"1/{wire.all_reduce_bytes(qn, 4, devices) * q_steps / q:.1f}"
-        share = rank0["comm_seconds"] / rank0["wall_seconds"] if rank0["wall_seconds"] else 0.0
+        share = rank0.get("comm_seconds", 0.0) / rank0["wall_seconds"] if rank0["wall_seconds"] else 0.0
         lines.append(
             f"| {r['label']} | {r['val_ppl']:.2f} | {100 * (r['val_ppl'] / base['val_ppl'] - 1):+.2f}% |"
             f" {r['wall_seconds']:.0f} | {per_step / 1e6:.3f} | {grad / steps / 1e6:.3f} |"
