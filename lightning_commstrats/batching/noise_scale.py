@@ -223,7 +223,9 @@ class GradientNoiseScale(Callback):
         measure: ``"auto"`` (exact where the exchange averages fp32 gradients, else a sketch),
             ``"exact"`` (refused where the exchange is lossy) or ``"sketch"``.
         sketch_size: buckets of the count sketch (default 256: 2 KiB a step, at most 9% relative
-            noise on ``|G_big|^2``, which the moving average then smooths).
+            noise on ``|G_big|^2``, which the moving average then smooths). Once the noise scale is
+            several times the global batch, 256 buckets read it up to 45% low on the notebook's run
+            (``notebooks/noise_scale.ipynb``), 1,024 up to about 20%: raise it where the bytes allow.
         seed: seeds the sketch's hashes, drawn afresh every step alike on every rank.
         max_batch_size: the largest per-rank batch, in samples; ``None`` (the default): measure and
             log only, never change the batch.
