@@ -423,7 +423,9 @@ class GradientNoiseScale(Callback):
         ``max_batch_size``; returns the per-rank batch from the next batch on."""
         assert self.max_batch_size is not None
         size = current_batch_size(trainer)
-        noise_scale = self.estimator.noise_scale  # the same number on every rank
+        # every rank computes the same number; rank 0's decides, so that a rank that differed could
+        # never leave the others waiting in set_batch_size's collective (a few bytes a check)
+        noise_scale = float(trainer.strategy.broadcast(self.estimator.noise_scale, src=0))
         grown = next_batch_size(
             size, trainer.world_size, noise_scale, self.growth_factor, self.max_batch_size, self.scale
         )
