@@ -187,13 +187,13 @@ class GradientNoiseScale(Callback):
     ``growth_factor`` times the global batch (``world_size`` x the per-rank batch) is still at most
     ``scale`` times the measured noise scale, the per-rank batch grows by ``growth_factor`` (up to
     ``max_batch_size``) through :func:`~lightning_commstrats.batching.set_batch_size`: every rank
-    takes the same size (the noise scale is the same number on every rank, and ``set_batch_size``
-    checks it), from the next batch on, and no sample of the epoch is dropped or repeated (an epoch
-    whose batches grow has fewer of them; see :mod:`lightning_commstrats.batching.resize`). The batch
-    never shrinks. McCandlish et al. find that training near ``B_simple`` balances steps against
-    samples; Merrill et al. (2025) grow the batch as the critical batch size rises early in training.
-    Steps of AutoAdjust's trial mini-epochs (:func:`~lightning_commstrats.batching.in_trial`) are
-    not measured.
+    takes the same size (every rank computes the same noise scale; rank 0's, broadcast at each
+    check, decides, and ``set_batch_size`` checks the sizes agree), from the next batch on, and no
+    sample of the epoch is dropped or repeated (an epoch whose batches grow has fewer of them; see
+    :mod:`lightning_commstrats.batching.resize`). The batch never shrinks. McCandlish et al. find
+    that training near ``B_simple`` balances steps against samples; Merrill et al. (2025) grow the
+    batch as the critical batch size rises early in training. Steps of AutoAdjust's trial
+    mini-epochs (:func:`~lightning_commstrats.batching.in_trial`) are not measured.
 
     What each scheme lets it measure:
 
