@@ -22,7 +22,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 # the notebooks the issue asked for; more are welcome
 REQUIRED = {"cost_model", "convergence", "onebit_inside", "moe_routing", "outer_tradeoff"}
 # notebooks that start ranks in separate processes (forked by Lightning)
-STARTS_RANKS = {"outer_tradeoff"}
+STARTS_RANKS = {"outer_tradeoff", "noise_scale"}
 # notebooks that only read committed results (benchmarks/results): a run must give the committed file
 # on any machine (images aside: they change with the matplotlib version)
 READS_RESULTS = {"convergence", "cost_model"}
