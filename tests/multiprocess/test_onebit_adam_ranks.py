@@ -17,21 +17,13 @@ import math
 import pytest
 import torch
 from harness import run_ranks
+from onebit_reference import compress
 
 pytestmark = pytest.mark.multiprocess
 
 FREEZE, STEPS, LR, WD, SMALL = 3, 8, 0.01, 0.01, 64
 B1, B2, EPS = 0.9, 0.999, 1e-8
 SHAPES = {"layer.0.weight": (16, 32), "layer.0.bias": (16,), "layer.2.weight": (2, 16), "layer.2.bias": (2,)}
-
-
-def compress(x: torch.Tensor) -> torch.Tensor:
-    """1-bit, per column of the [shape[0], rest] view: the mean of its entries of the same sign."""
-    cols = x.reshape(x.shape[0], -1).double()
-    positive = cols >= 0
-    pos = torch.where(positive, cols, 0).sum(0) / positive.sum(0).clamp(min=1)
-    neg = torch.where(positive, 0, cols).sum(0) / (~positive).sum(0).clamp(min=1)
-    return torch.where(positive, pos, neg).reshape(x.shape)
 
 
 def quantized(name: str) -> bool:

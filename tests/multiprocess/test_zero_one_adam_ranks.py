@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 from harness import run_ranks
+from onebit_reference import compress
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,15 +51,6 @@ def schedules(steps: int) -> tuple[set[int], set[int]]:
             if local_counter == SCALER:
                 local_counter, local_interval = 0, min(CLIPPER, local_interval * 2)
     return t_v, t_u
-
-
-def compress(x: torch.Tensor) -> torch.Tensor:
-    """1-bit, per column of the [shape[0], rest] view: the mean of its entries of the same sign."""
-    cols = x.reshape(x.shape[0], -1).double()
-    positive = cols >= 0
-    pos = torch.where(positive, cols, 0).sum(0) / positive.sum(0).clamp(min=1)
-    neg = torch.where(positive, 0, cols).sum(0) / (~positive).sum(0).clamp(min=1)
-    return torch.where(positive, pos, neg).reshape(x.shape)
 
 
 def quantized(name: str) -> bool:
