@@ -125,6 +125,7 @@ def test_a_rank_killed_inside_an_exchange_leaves_no_partial_average(scheme, sche
     assert ranks[0]["syncs"][-1]["global"] == ranks[1]["syncs"][-1]["global"]
 
 
+@pytest.mark.slow  # 28 s: the quick suite's budget (a restarted replica heals in the quick test above)
 def test_a_full_restart_continues_from_the_newest_checkpoint():
     # one-rank replicas: a and b save every 8 steps and are both killed; restarted, a from an older
     # checkpoint than b. The lowest replica id (a) would win a tie; b's committed progress wins.

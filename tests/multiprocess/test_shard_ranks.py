@@ -139,6 +139,7 @@ def _stage_bytes(rows: int, cols: int, world: int, rank: int) -> int:
     return sum(sizes) - sizes[rank] + (world - 1) * sizes[rank]
 
 
+@pytest.mark.slow  # 44 s: the quick suite's budget (test_checkpoint_ranks reshards unsharded runs quickly)
 def test_checkpoint_mid_block_resumes_bit_for_bit_and_onto_other_layouts():
     ckpt = tempfile.mkdtemp(prefix="commstrats-shard-ckpt-")
     kw = {"sync_period": 3, "sync_period_unit": "steps", "pseudo_grad_bits": 4, **SHARD}
