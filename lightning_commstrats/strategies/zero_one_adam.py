@@ -317,13 +317,20 @@ class ZeroOneAdam:
         """Put ``u_i`` in the gradients for a synchronisation without a new gradient (the end of fit)."""
         self._pending = {}
         for p, n in zip(params, names, strict=True):
-            p.grad = self.accum[n].clone() if n in self.accum else torch.zeros_like(p)
+            # u_i itself: the exchange averages it in place, and the round that follows closes the
+            # interval (the next one zeroes it), so no copy is needed
+            p.grad = self.accum[n] if n in self.accum else torch.zeros_like(p)
 
-    def release(self) -> None:
-        """Drop ``x'``, ``u_i`` and the cached preconditioner (rebuilt when needed)."""
+    def reset(self) -> None:
+        """Start afresh: no interval open, ``x'``, ``u_i`` and the cached preconditioner dropped
+        (rebuilt when needed)."""
         self.anchor.clear()
         self.accum.clear()
         self._denoms.clear()
+        self.lr_sums.clear()
+        self.decays.clear()
+        self._pending = {}
+        self.open = False
 
     # ------------------------------------------------------------------ state
 
@@ -598,8 +605,4 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
     def reset_state(self) -> None:
         if self.compression.exchange is not None:
             self.compression.exchange.reset()
-        self.adam.release()
-        self.adam.open = False
-        self.adam.lr_sums.clear()
-        self.adam.decays.clear()
-        self.adam._pending = {}
+        self.adam.reset()
