@@ -83,6 +83,22 @@ def test_the_recommendation_prefers_the_exact_scheme_when_the_link_is_fast():
     assert advisor.recommend(slow).step_seconds <= 1.05 * slow[0].step_seconds
 
 
+def test_zero_one_adam_with_local_steps_ranks_with_the_periodic_schemes():
+    def candidate(scheme, settings):  # equally fast: the departure alone decides
+        return advisor.Candidate(scheme, settings, 0.0, 1.0, 0.0, True, "")
+
+    local = candidate("zero_one_adam", {"num_quantization_bits": 1, "local_step_clipper": 16})
+    default = candidate("zero_one_adam", {})  # local_step_clipper defaults to 16
+    every_step = candidate("zero_one_adam", {"num_quantization_bits": 1, "local_step_clipper": 1})
+    onebit = candidate("onebit_adam", {"num_quantization_bits": 1})
+    diloco8, diloco32 = candidate("diloco", {"sync_period": 8}), candidate("diloco", {"sync_period": 32})
+    for steps in (local, default):
+        assert advisor.recommend([steps, every_step]) is every_step
+        assert advisor.recommend([steps, onebit]) is onebit
+        assert advisor.recommend([steps, diloco8]) is diloco8
+        assert advisor.recommend([steps, diloco32]) is steps
+
+
 def test_one_rank_communicates_nothing():
     for c in advisor.advise(SHAPES, bandwidth_bits=B, compute_seconds=0.5, ranks=1):
         assert c.comm_seconds == 0 and c.step_seconds == 0.5

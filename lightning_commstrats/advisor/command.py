@@ -1,0 +1,233 @@
+"""``commstrats-advise``, and the link measured between running ranks."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lightning_commstrats.advisor.grid import advise, mib, recommend, table
+from lightning_commstrats.advisor.inputs import ACCELERATORS, INNER_OPTIMIZERS, PARAM_DTYPES, SCHEMES, model_shape
+from lightning_commstrats.comm import Communicator, wire
+from lightning_commstrats.cost_model import ModelShape
+from lightning_commstrats.outer import OUTER_STATES
+
+
+def measure_bandwidth(comm: Communicator, numel: int = 1 << 22, repeats: int = 3) -> float:
+    """The link rate between the ranks of ``comm``, bits per second, from timed all-reduces.
+
+    Every rank must call it (a collective). One all-reduce of ``numel`` float32 values on
+    ``comm.device`` warms the channel up, then ``repeats`` are timed, each after a barrier; the
+    rate is the bytes one rank sends in a ring all-reduce (:mod:`~lightning_commstrats.comm.wire`)
+    over the fastest repeat of the slowest rank, so every rank returns the same number. It
+    includes everything a real all-reduce pays (protocol, latency, the reduction itself), so it is
+    what the cost model should be given. The traffic is charged to the tag ``"bandwidth_probe"``.
+    """
+    if comm.world_size < 2:
+        raise ValueError(f"measure_bandwidth needs at least 2 ranks, comm has {comm.world_size}")
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < comm.world_size:
+        raise ValueError(f"numel must be an int >= the number of ranks ({comm.world_size}), got {numel!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
+    comm.all_reduce(buf, tag="bandwidth_probe")
+    best = math.inf
+    for _ in range(repeats):
+        comm.barrier()
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        start = time.perf_counter()
+        comm.all_reduce(buf, tag="bandwidth_probe")
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        best = min(best, time.perf_counter() - start)
+    slowest = comm.all_reduce(torch.tensor([best], dtype=torch.float64, device=comm.device), "max", tag="control")
+    return wire.all_reduce_bytes(numel, 4, comm.world_size) * 8 / float(slowest.item())
+
+
+def model_from_config(value: str) -> tuple[ModelShape, int]:
+    """The parameter shapes of the model a training config describes (a packaged config's name or
+    a YAML file), built on the meta device (no memory, no data), and the token ids in one rank's
+    minibatch. The vocabulary is the config's ``data.max_vocab_size`` (the cap; a corpus with fewer
+    distinct words gets a smaller one)."""
+    import yaml
+
+    from lightning_commstrats.cli import resolve_config
+    from lightning_commstrats.data import LMDataModule
+    from lightning_commstrats.models import LanguageModel
+
+    path = Path(resolve_config(value))
+    if not path.is_file():
+        raise ValueError(f"--config: {value!r} is not a file or a packaged config")
+    config = yaml.safe_load(path.read_text()) or {}
+    model_args = dict(config.get("model") or {})
+    data_defaults = {
+        name: p.default for name, p in inspect.signature(LMDataModule.__init__).parameters.items() if name != "self"
+    }
+    data = {**data_defaults, **(config.get("data") or {})}
+    model_args.update(vocab_size=data["max_vocab_size"], order=data["order"], max_seq_len=data["seq_len"])
+    with torch.device("meta"):
+        module = LanguageModel(**model_args)
+    ngram = model_args.get("arch", "lstm") == "ffn"
+    tokens = data["batch_size"] * (data["order"] if ngram else data["seq_len"] + 1)
+    return model_shape(module.net), tokens
+
+
+def model_from_json(path: str, vocab_size: int = 0, vocab_width: int = 0) -> ModelShape:
+    """Parameter shapes from a JSON file: a list of shapes, or an object with ``shapes`` (or the
+    race's ``param_shapes``) and optionally ``vocab_size`` and ``vocab_width``."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        shapes = data.get("shapes", data.get("param_shapes"))
+        if shapes is None:
+            raise ValueError(f"--shapes: {path} has no 'shapes' list")
+        vocab_size = vocab_size or int(data.get("vocab_size", 0))
+        vocab_width = vocab_width or int(data.get("vocab_width", 0))
+    else:
+        shapes = data
+    return model_shape(shapes, vocab_size, vocab_width)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``commstrats-advise``: print every candidate's predicted step and memory per rank as a markdown table."""
+    parser = argparse.ArgumentParser(
+        prog="commstrats-advise",
+        description=(
+            "Predict the seconds per training step and the memory per rank of every communication scheme of"
+            " lightning-commstrats for a model, link rate, compute time per step and number of ranks (the cost"
+            " model: bytes over the link rate, no latency; the memory the strategies hold between steps),"
+            " fastest first. A faster periodic or compressed scheme trains differently: check its quality"
+            " (benchmarks/compare.py)."
+        ),
+    )
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--config", help="a training config: a packaged name (lstm_demo) or a YAML file")
+    model.add_argument("--shapes", help="a JSON file: a list of parameter shapes, or {'shapes': [...], ...}")
+    parser.add_argument("--bandwidth", type=float, required=True, help="link rate between ranks, Mbit/s")
+    parser.add_argument(
+        "--compute-seconds", type=float, required=True, help="seconds of one step on one rank without communication"
+    )
+    parser.add_argument("--ranks", type=int, required=True, help="number of ranks")
+    parser.add_argument("--schemes", nargs="+", metavar="SCHEME", help=f"schemes to try (default: all); {SCHEMES}")
+    parser.add_argument("--vocab-size", type=int, default=0, help="vocabulary rows (with --shapes)")
+    parser.add_argument("--vocab-width", type=int, default=0, help="values per vocabulary row, all matrices (--shapes)")
+    parser.add_argument("--tokens-per-rank", type=int, help="token ids in a rank's minibatch (default: from --config)")
+    parser.add_argument("--sampled-rows", type=float, help="measured rows sampled_vocab sends per step")
+    parser.add_argument("--top", type=int, help="print only the fastest TOP candidates")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="see the recommendation (default 0.05)")
+    parser.add_argument(
+        "--shard",
+        type=int,
+        metavar="N",
+        help="also show the memory per rank with shard='fsdp' over groups of N ranks (group_size=N)",
+    )
+    parser.add_argument(
+        "--outer-state",
+        choices=OUTER_STATES,
+        default="host",
+        help="where the periodic schemes keep their global model and outer state on a GPU (default host)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=tuple(INNER_OPTIMIZERS),
+        help="the inner optimizer, for its state (default: the config's, else adamw)",
+    )
+    parser.add_argument(
+        "--param-dtype", choices=tuple(PARAM_DTYPES), default="float32", help="the parameters' dtype (default float32)"
+    )
+    parser.add_argument(
+        "--accelerator",
+        choices=ACCELERATORS,
+        default="gpu",
+        help="gpu (default): device and host memory apart; cpu: all of it host memory",
+    )
+    args = parser.parse_args(argv)
+    if not (args.bandwidth > 0 and math.isfinite(args.bandwidth)):
+        parser.error(f"--bandwidth must be a finite rate > 0 Mbit/s, got {args.bandwidth:g}")
+    if not (args.compute_seconds >= 0 and math.isfinite(args.compute_seconds)):
+        parser.error(f"--compute-seconds must be a finite number of seconds >= 0, got {args.compute_seconds:g}")
+    if args.ranks < 1:
+        parser.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.shard is not None and not (1 <= args.shard <= args.ranks and args.ranks % args.shard == 0):
+        parser.error(
+            f"--shard must divide --ranks={args.ranks} (the ranks a replica is sharded over), got {args.shard}"
+        )
+    try:
+        optimizer, source = args.optimizer or "adamw", "given" if args.optimizer else "assumed"
+        if args.config:
+            shape, tokens = model_from_config(args.config)
+            if not args.optimizer:
+                optimizer, source = optimizer_from_config(args.config), "from the config"
+        else:
+            shape, tokens = model_from_json(args.shapes, args.vocab_size, args.vocab_width), 0
+        if args.tokens_per_rank is not None:
+            tokens = args.tokens_per_rank
+        found = advise(
+            shape,
+            bandwidth_bits=args.bandwidth * 1e6,
+            compute_seconds=args.compute_seconds,
+            ranks=args.ranks,
+            candidates=args.schemes,
+            tokens_per_rank=tokens,
+            sampled_rows=args.sampled_rows,
+            shard=args.shard,
+            optimizer=optimizer,
+            param_dtype=args.param_dtype,
+            outer_state=args.outer_state,
+            accelerator=args.accelerator,
+        )
+        pick = recommend(found, args.tolerance)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    vocab = f", vocabulary {shape.vocab_size} x {shape.vocab_width}" if shape.vocab_size else ""
+    print(
+        f"# Advice: {shape.numel:,} parameters in {len(shape.shapes)} tensors{vocab}; {args.ranks} ranks,"
+        f" {args.bandwidth:g} Mbit/s links, {args.compute_seconds:g} s compute per step\n"
+    )
+    print(
+        f"Recommended: **{pick.label}**, predicted {pick.step_seconds:.4g} s/step ({pick.note}). The fastest"
+        f" within {args.tolerance:.0%} of the best that departs least from synchronous SGD.\n"
+    )
+    print(table(found, args.top, args.shard))
+    states = INNER_OPTIMIZERS[optimizer][0]
+    where = "a GPU" if args.accelerator == "gpu" else "the CPU (all of it host memory)"
+    sharded = (
+        f"; shard {args.shard}: shard='fsdp' with group_size={args.shard}, the time columns stay unsharded"
+        if args.shard
+        else ""
+    )
+    print(
+        "\nPredicted s/step = compute + the communication not hidden behind it (bytes / link rate; no latency,"
+        " no codec compute). Periodic schemes' bytes are spread over their period."
+        f"\n\nMemory per rank, held between steps: the {args.param_dtype} model"
+        f" ({mib(shape.numel * PARAM_DTYPES[args.param_dtype])} MiB), its gradients, {optimizer}'s state"
+        f" ({states} buffer{'s' if states != 1 else ''} per parameter, {source}) and the scheme's own state,"
+        f" training on {where}, the periodic schemes' outer state on the {args.outer_state}{sharded}."
+        " Not counted: activations, buffers, a sync's transient copies."
+    )
+    return 0
+
+
+def optimizer_from_config(value: str) -> str:
+    """The inner optimizer a training config's model uses, as :func:`memory_per_rank` names it."""
+    import yaml
+
+    from lightning_commstrats.cli import resolve_config
+
+    config = yaml.safe_load(Path(resolve_config(value)).read_text()) or {}
+    model = config.get("model") or {}
+    name = model.get("optimizer", "adam")  # LanguageModel's default
+    if name == "sgd":
+        return "sgd_momentum" if model.get("momentum", 0) else "sgd"
+    return name
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The advisor's inputs: the schemes it advises and the settings it reads, the model's shape, and the
+checks every entry point applies to them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_commstrats.cost_model import ModelShape
+from lightning_commstrats.models.base import declared_vocabulary
+
+SCHEMES = (
+    "allreduce",
+    "onebit_sgd",
+    "onebit_adam",
+    "zero_one_adam",
+    "sampled_vocab",
+    "model_averaging",
+    "bmuf",
+    "local_sgd",
+    "diloco",
+    "streaming_diloco",
+    "sparseloco",
+)
+PERIODIC = ("model_averaging", "bmuf", "local_sgd", "diloco", "streaming_diloco", "sparseloco")
+# The registered strategy names the advisor does not predict, and why.
+OUT_OF_SCOPE = {
+    "expert_parallel": (
+        "a mixture-of-experts layout: its all-to-alls carry tokens, whose bytes depend on the routing,"
+        " the capacity factor and the expert placement, not on the parameter shapes alone"
+        " (benchmarks/moe_layout.py measures the layouts)"
+    ),
+    "parameter_server": (
+        "the 2018 paper's baseline over RPC: its asynchronous mode's time depends on how pushes queue at"
+        " the servers, which the cost model does not capture (cost_model.parameter_server gives a"
+        " synchronous exchange's seconds)"
+    ),
+}
+# The schemes that run on FSDP2 shards (shard="fsdp"): the strategies' `supports_shard`.
+SHARDABLE = ("allreduce", "onebit_sgd", "model_averaging", "bmuf", "diloco", "streaming_diloco", "sparseloco")
+# The inner optimizer's state per parameter: (buffers of the parameter's size and dtype, whether a
+# step counter tensor of 4 bytes is kept per parameter tensor), as torch.optim allocates them.
+INNER_OPTIMIZERS = {"adamw": (2, True), "adam": (2, True), "sgd_momentum": (1, False), "sgd": (0, False)}
+PARAM_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ACCELERATORS = ("gpu", "cpu")
+# The default grid: what a first look should cover.
+ONEBIT_BITS = (1, 2, 4, 8)
+AVERAGING_PERIODS = (4, 8, 16, 32)
+DILOCO_PERIODS = (8, 16, 32, 64)
+DILOCO_BITS = (32, 8, 4, 2)
+STREAMING_BITS = (8, 4, 2)
+STREAMING_FRAGMENTS = 4
+SAMPLED_VOCAB = {"alpha": 0.2, "beta": 0.1}  # the race's setting: 20% frequent words, 10% random ones
+# The settings each scheme's prediction reads (a subset of the strategy's constructor arguments).
+SETTINGS = {
+    "allreduce": (),
+    "onebit_sgd": ("num_quantization_bits", "small_tensor_numel"),
+    "onebit_adam": ("freeze_step", "num_quantization_bits", "small_tensor_numel"),
+    "zero_one_adam": ("var_freeze_step", "local_step_clipper", "num_quantization_bits", "small_tensor_numel"),
+    "sampled_vocab": ("alpha", "beta", "num_quantization_bits", "error_feedback"),
+    "model_averaging": (
+        "sync_period",
+        "sync_period_unit",
+        "pseudo_grad_bits",
+        "pseudo_grad_scales",
+        "small_tensor_numel",
+    ),
+    "bmuf": ("sync_period", "sync_period_unit", "pseudo_grad_bits", "pseudo_grad_scales", "small_tensor_numel"),
+    "local_sgd": ("sync_period", "pseudo_grad_bits", "pseudo_grad_scales", "small_tensor_numel"),
+    "diloco": (
+        "sync_period",
+        "sync_period_unit",
+        "pseudo_grad_bits",
+        "pseudo_grad_codec",
+        "pseudo_grad_scales",
+        "small_tensor_numel",
+        "outer_momentum",
+    ),
+    "streaming_diloco": (
+        "sync_period",
+        "num_fragments",
+        "fragment_sync_delay",
+        "pseudo_grad_bits",
+        "pseudo_grad_scales",
+        "small_tensor_numel",
+        "outer_momentum",
+        "keep_local_progress",
+    ),
+    "sparseloco": (
+        "sync_period",
+        "sync_period_unit",
+        "num_fragments",
+        "fragment_sync_delay",
+        "pseudo_grad_bits",
+        "topk_chunk",
+        "topk_per_chunk",
+        "topk_form",
+        "topk_tile",
+        "topk_schedule",
+        "small_tensor_numel",
+        "keep_local_progress",
+    ),
+}
+
+
+def model_shape(model_or_shapes: Any, vocab_size: int = 0, vocab_width: int = 0) -> ModelShape:
+    """A :class:`~lightning_commstrats.cost_model.ModelShape` from a module, a ``ModelShape`` or
+    parameter shapes.
+
+    For a module the vocabulary comes from its ``vocab_parameters()`` (this package's language
+    models declare them; tied matrices once) unless ``vocab_size`` is given; the shapes are its
+    trainable parameters in registration order (tied ones once). Given ``vocab_size`` and
+    ``vocab_width`` override what the module or ``ModelShape`` says.
+    """
+    for name, value in (("vocab_size", vocab_size), ("vocab_width", vocab_width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if isinstance(model_or_shapes, ModelShape):
+        shape = model_or_shapes
+    elif isinstance(model_or_shapes, torch.nn.Module):
+        shape = ModelShape.of(model_or_shapes, *vocabulary_of(model_or_shapes))
+    else:
+        try:
+            shapes = tuple(tuple(int(d) for d in s) for s in model_or_shapes)
+        except TypeError as err:
+            raise ValueError(
+                "model_or_shapes must be a torch.nn.Module, a ModelShape or a sequence of parameter shapes,"
+                f" got {type(model_or_shapes).__name__}"
+            ) from err
+        shape = ModelShape(shapes)
+    if any(d < 0 for s in shape.shapes for d in s):
+        raise ValueError(f"model_or_shapes: parameter shapes must not have negative sizes, got {shape.shapes}")
+    if shape.numel == 0:
+        raise ValueError("model_or_shapes has no trainable parameters: there is nothing to communicate")
+    size = vocab_size or shape.vocab_size
+    width = vocab_width or shape.vocab_width
+    if size * width > shape.numel:
+        raise ValueError(
+            f"vocab_size x vocab_width = {size} x {width} is more than the model's {shape.numel} parameters"
+        )
+    return ModelShape(shape.shapes, size, width)
+
+
+def vocabulary_of(module: torch.nn.Module) -> tuple[int, int]:
+    """(rows, values per row summed over the distinct matrices) of the vocabulary parameters a
+    module declares with ``vocab_parameters()``; ``(0, 0)`` when none does."""
+    unique = declared_vocabulary(module)
+    if not unique:
+        return 0, 0
+    rows = unique[0].shape[0]
+    return rows, sum(p.numel() // rows for p in unique)
+
+
+def check_inputs(bandwidth_bits: float, compute_seconds: float, ranks: int) -> None:
+    if isinstance(bandwidth_bits, bool) or not isinstance(bandwidth_bits, (int, float)):
+        raise ValueError(f"bandwidth_bits must be a number of bits per second > 0, got {bandwidth_bits!r}")
+    if not (bandwidth_bits > 0 and math.isfinite(bandwidth_bits)):
+        raise ValueError(f"bandwidth_bits must be a finite number of bits per second > 0, got {bandwidth_bits!r}")
+    if isinstance(compute_seconds, bool) or not isinstance(compute_seconds, (int, float)):
+        raise ValueError(f"compute_seconds must be a number of seconds >= 0, got {compute_seconds!r}")
+    if not (compute_seconds >= 0 and math.isfinite(compute_seconds)):
+        raise ValueError(f"compute_seconds must be a finite number of seconds >= 0, got {compute_seconds!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+
+
+def int_setting(settings: Mapping[str, Any], name: str, default: int, allowed: Sequence[int] | None = None) -> int:
+    value = settings.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"settings: {name} must be an int, got {value!r}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"settings: {name}={value!r} is not supported; choose one of {tuple(allowed)}")
+    return value
+
+
+def checked_settings(scheme: str, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    if scheme in OUT_OF_SCOPE:
+        raise ValueError(f"the advisor does not predict {scheme!r}: {OUT_OF_SCOPE[scheme]}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme {scheme!r} is not known to the advisor; choose one of {SCHEMES}")
+    settings = dict(settings or {})
+    unknown = sorted(set(settings) - set(SETTINGS[scheme]))
+    if unknown:
+        raise ValueError(f"settings {unknown} are not read by the advisor for {scheme}; it reads {SETTINGS[scheme]}")
+    return settings
+
+
+def check_shard(shard: Any, ranks: int) -> None:
+    if isinstance(shard, bool) or not isinstance(shard, int) or not 1 <= shard <= ranks or ranks % shard:
+        raise ValueError(
+            f"shard must be an int in [1, ranks={ranks}] that divides the ranks (the ranks a replica is sharded"
+            f" over), got {shard!r}"
+        )
