@@ -241,11 +241,34 @@ def main() -> None:
             if spec.get("progress") and trainer.global_rank == 0:
                 out.joinpath(f"{rid}.step").write_text(str(trainer.global_step))
 
+    class Hold(L.Callback):
+        """``hold = {"at_step": n, "until": name}``: every rank waits before step ``n`` until
+        ``<out>/<name>`` exists (at most 300 s), so a replica that a test restarts finds this one
+        still training however slowly the restart starts; ``mark_setup = name``: rank 0 writes
+        ``<out>/<name>`` as its fit is set up, before the strategy joins the run."""
+
+        held = False
+
+        def setup(self, trainer, pl_module, stage):
+            if spec.get("mark_setup") and trainer.global_rank == 0:
+                out.joinpath(spec["mark_setup"]).write_text(str(time.time()))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            hold = spec.get("hold")
+            if not hold or self.held or trainer.global_step < hold["at_step"]:
+                return
+            self.held = True
+            deadline = time.time() + 300
+            while not out.joinpath(hold["until"]).exists():
+                if time.time() > deadline:
+                    raise TimeoutError(f"{rid}: {hold['until']} did not appear within 300 s")
+                time.sleep(0.05)
+
     data = task()
     if spec.get("front") == "fabric":
         global_step, lr = run_fabric(spec, strategy, model, data, kill)
     else:
-        callbacks: list = [Killer(), Progress()]
+        callbacks: list = [Killer(), Progress(), Hold()]
         if spec.get("early_stop_below") is not None:  # stops at the first validation whose loss is below it
             callbacks.append(
                 EarlyStopping(monitor="val_loss", stopping_threshold=spec["early_stop_below"], patience=1000)

@@ -59,14 +59,16 @@ def wait_group_gone(pgid: int, timeout: float) -> float:
 def test_a_dead_rank_takes_its_replica_out_and_the_restarted_replica_heals_rank_by_rank(shard, victim):
     sk = {"sync_period": 8, **({"shard": shard} if shard else {})}
     with FTRun(min_replicas=1) as run:
-        run.start("a", spec(0, scheme_kwargs=sk, max_steps=128))
+        # a holds at step 48 until the restarted b is set up: on a loaded machine a could otherwise end
+        # the run before b's restart comes up (b would find the run ended and have nothing to heal from)
+        run.start("a", spec(0, scheme_kwargs=sk, max_steps=128, hold={"at_step": 48, "until": "b.restarted"}))
         run.start("b", spec(1, scheme_kwargs=sk, max_steps=128, kill={"after_step": 12, "rank": victim}))
         group = run.replicas["b"].pid  # the replica's processes: one session, one group
         assert run.wait_dead("b") != 0
         gone = wait_group_gone(group, 30)
         killed = float((run.out / "b.killed").read_text())
         time.sleep(RESTART_AFTER)
-        run.start("b", spec(5, scheme_kwargs=sk, max_steps=128))
+        run.start("b", spec(5, scheme_kwargs=sk, max_steps=128, mark_setup="b.restarted"))
         run.wait()
         ranks = {r: {rid: load_rank(run, rid, r) for rid in "ab"} for r in (0, 1)}
     print(f"every process of b gone {gone - killed:.1f} s after its rank {victim} was killed")
