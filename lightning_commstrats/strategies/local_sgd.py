@@ -8,7 +8,7 @@ import torch
 from typing_extensions import override
 
 from lightning_commstrats.comm import MPI4PY_AVAILABLE, import_mpi
-from lightning_commstrats.strategies.periodic import ModelAveragingStrategy
+from lightning_commstrats.strategies.model_averaging import ModelAveragingStrategy
 
 
 class LocalSGDStrategy(ModelAveragingStrategy):
