@@ -84,8 +84,9 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     (``DiLoCoStrategy(pseudo_grad_codec="statistical")``, 2 bits, error feedback 0.95, outer lr 1) at
     185.9 and 184.3; at about 2,650x, 2,650x, 1,010x, 16x and 250x fewer bytes than fp32 DDP. With 12
     syncs only a dense exchange beat the ranks alone; the strategy warns instead (see below). At 576
-    steps (36 syncs, seed 0) the schedule ends at 155.3, the ranks alone at 158.8, ``"published"``
-    without a schedule at 160.0, the dense codec at 146.2 and fp32 ``diloco`` at 131.3.
+    steps (36 syncs, seeds 0 and 1) the schedule ends at 155.3 and 155.9, the ranks alone at 158.8
+    and 156.5, ``"published"`` without a schedule at 160.0 and 160.4, the dense codec at 146.2 and
+    145.6, fp32 ``diloco`` at 131.3 and 130.1.
 
     Bytes: one payload per rank and sync is ``C * (8 + (k * (l + bits) + k + (chunk >> l)) / 8)``
     bytes for ``C`` chunks, ``l = floor(log2(chunk / k))`` (8 bytes of scales, the Elias-Fano
