@@ -1,5 +1,7 @@
 """`onebit_sgd` in one process: construction errors and what happens to mismatched checkpoints."""
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -52,6 +54,31 @@ def _fit(tmp_path, strategy, ckpt_path=None, max_steps=2):
     )
     trainer.fit(BoringModel(), ckpt_path=ckpt_path)
     return trainer
+
+
+class AdamModel(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize(("bits", "warns"), [(1, True), (4, True), (16, False)])
+def test_a_quantized_exchange_under_adam_warns_and_names_onebit_adam(tmp_path, bits, warns):
+    strategy = OneBitSGDStrategy(num_quantization_bits=bits)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(AdamModel())
+    named = [str(w.message) for w in caught if "onebit_adam" in str(w.message)]
+    assert bool(named) == warns, named
+    if warns:
+        assert named[0].startswith("onebit_sgd quantizes the gradients that AdamW then rescales")
+    with warnings.catch_warnings(record=True) as caught:  # plain SGD: not a word of it
+        warnings.simplefilter("always")
+        _fit(tmp_path, OneBitSGDStrategy(num_quantization_bits=bits), max_steps=1)
+    assert not [w for w in caught if "onebit_adam" in str(w.message)]
 
 
 def _checkpoint_with(tmp_path, edit):
