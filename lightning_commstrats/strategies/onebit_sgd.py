@@ -56,7 +56,10 @@ class OneBitSGDStrategy(AllReduceStrategy):
     Optimizer: 1-bit SGD was designed for SGD. Per-coordinate adaptive optimizers (Adam) rescale
     the quantization noise coordinate by coordinate: on this package's Brown LSTM benchmark 1 bit
     matched ``allreduce`` within 0.3% perplexity with SGD but lost 18% with Adam, whatever the warm
-    start (``benchmarks/results/onebit_quality``).
+    start (``benchmarks/results/onebit_quality``), and at its defaults (no warm start) ended 37%
+    worse than one rank training alone (``benchmarks/results/adam_defaults``). It warns at the start
+    of a fit under Adam or AdamW below 16 bits; ``onebit_adam`` and ``zero_one_adam`` keep Adam and
+    compress its momentum instead.
 
     Tuning: measure the validation loss of a short run against ``allreduce``; if 1 bit lags,
     raise ``distributed_after`` first, then ``num_quantization_bits``. With small minibatches per
