@@ -23,6 +23,9 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 REQUIRED = {"cost_model", "convergence", "onebit_inside", "moe_routing", "outer_tradeoff"}
 # notebooks that start ranks in separate processes (forked by Lightning)
 STARTS_RANKS = {"outer_tradeoff", "noise_scale"}
+# notebooks run in the slow suite only (the quick suite's budget): noise_scale trains the LM recipe on
+# two ranks for 40 s; its callbacks are tested on ranks in tests/multiprocess/test_noise_scale_ranks.py
+SLOW = {"noise_scale"}
 # notebooks that only read committed results (benchmarks/results): a run must give the committed file
 # on any machine (images aside: they change with the matplotlib version)
 READS_RESULTS = {"convergence", "cost_model"}
@@ -38,7 +41,11 @@ def _runner():
 
 def _params():
     return [
-        pytest.param(p, id=p.name, marks=[pytest.mark.multiprocess] if p.stem in STARTS_RANKS else [])
+        pytest.param(
+            p,
+            id=p.name,
+            marks=[pytest.mark.multiprocess] * (p.stem in STARTS_RANKS) + [pytest.mark.slow] * (p.stem in SLOW),
+        )
         for p in NOTEBOOKS
     ]
 

@@ -51,6 +51,7 @@ def test_budget_table_reports_the_parameter_ratio():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 15 s: the quick suite's budget (the advisor's memory tests count shards on real ranks)
 def test_diloco_sharded_four_ways_holds_a_quarter_of_every_kind_per_rank(monkeypatch):
     monkeypatch.setitem(memory.SIZES, "tiny", (64, 2, 2))  # every dimension divisible by 4: no padding
     rows = memory.measure_table(["tiny"], ["diloco"], ["unsharded", "fsdp 1x4"], steps=2, log=lambda *_: None)

@@ -73,7 +73,9 @@ def test_the_others_stop_within_seconds_naming_the_killed_rank(world, victim):
 
 
 @pytest.mark.parametrize(
-    ("victim", "mode"), [(1, "sync"), (0, "sync"), pytest.param(1, "async", marks=pytest.mark.slow)]
+    ("victim", "mode"),
+    # a dead worker in the slow suite (13 s each: the quick suite's budget); the server's death stays quick
+    [pytest.param(1, "sync", marks=pytest.mark.slow), (0, "sync"), pytest.param(1, "async", marks=pytest.mark.slow)],
 )
 def test_a_parameter_server_run_stops_when_a_worker_or_the_server_dies(victim, mode):
     """Killed worker: the server (rank 0) waits for a round that cannot complete, and its watch of

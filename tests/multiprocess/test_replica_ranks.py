@@ -160,11 +160,11 @@ def test_max_epochs_ends_every_replica_at_the_same_step_after_a_kill_and_a_heal(
     # later. The replicas agree at every sync on the first end: both stop at step 80.
     one = {"devices": 1, "max_steps": -1, "max_epochs": 2, "limit_train_batches": 40}
     with FTRun(min_replicas=1) as run:
-        run.start("a", spec(0, **one))
+        run.start("a", spec(0, **one, hold={"at_step": 40, "until": "b.restarted"}))  # (see the quick test)
         run.start("b", spec(1, **one, kill={"after_step": 12}))
         assert run.wait_dead("b") != 0
         time.sleep(RESTART_AFTER)
-        run.start("b", spec(2, **one))
+        run.start("b", spec(2, **one, mark_setup="b.restarted"))
         results = run.wait()
     a, b = results["a"], results["b"]
     assert b["heals"] and b["heals"][0]["step"] > 2, b["heals"]
@@ -179,11 +179,11 @@ def test_early_stopping_on_one_replica_ends_every_replica_at_the_next_sync():
     # (step 152), where both agree on it; b, which validates at other steps, stops there too.
     val = {"devices": 1, "max_steps": 400, "limit_val_batches": 2, "val_check_interval": 150}
     with FTRun(min_replicas=1) as run:
-        run.start("a", spec(0, **val, early_stop_below=100.0))
+        run.start("a", spec(0, **val, early_stop_below=100.0, hold={"at_step": 60, "until": "b.restarted"}))
         run.start("b", spec(1, **val, kill={"after_step": 6}))
         assert run.wait_dead("b") != 0
         time.sleep(RESTART_AFTER)
-        run.start("b", spec(2, **val))
+        run.start("b", spec(2, **val, mark_setup="b.restarted"))
         results = run.wait()
     a, b = results["a"], results["b"]
     assert b["heals"], b
@@ -191,6 +191,7 @@ def test_early_stopping_on_one_replica_ends_every_replica_at_the_next_sync():
     assert_agreement(results)
 
 
+@pytest.mark.slow  # 16 s: the quick suite's budget (a replica joining a finished run)
 def test_a_replica_started_after_the_run_ended_exits_at_once_saying_why():
     one = {"devices": 1, "max_steps": 24, "min_replicas": 2}
     with FTRun(min_replicas=2) as run:
@@ -231,12 +232,13 @@ def test_buffers_are_averaged_across_replicas_and_travel_with_a_heal():
     # averaged across replicas at every period and a healed replica takes them from its source.
     one = {"devices": 1, "max_steps": 128, "batchnorm": True, "min_replicas": 2}
     with FTRun(min_replicas=2) as run:
-        run.start("a", spec(0, **one))
+        hold = {"at_step": 48, "until": "b.restarted"}  # a and c wait there for b's restart (see the quick test)
+        run.start("a", spec(0, **one, hold=hold))
         run.start("b", spec(1, **one, kill={"after_step": 12}))
-        run.start("c", spec(2, **one))
+        run.start("c", spec(2, **one, hold=hold))
         assert run.wait_dead("b") != 0
         time.sleep(RESTART_AFTER)
-        run.start("b", spec(3, **one))
+        run.start("b", spec(3, **one, mark_setup="b.restarted"))
         results = run.wait()
     assert results["b"]["heals"]
     assert len({r["buffers"] for r in results.values()}) == 1, {k: r["buffers"] for k, r in results.items()}
@@ -244,6 +246,7 @@ def test_buffers_are_averaged_across_replicas_and_travel_with_a_heal():
     assert_agreement(results)
 
 
+@pytest.mark.slow  # 13 s: the quick suite's budget (refused at join, before any quorum)
 def test_replicas_of_different_sizes_are_refused_naming_both():
     # the first replica to join sets the run's size in the run's store; the other is refused as it
     # joins, before any quorum (whichever of the two is second)

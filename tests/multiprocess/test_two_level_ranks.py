@@ -54,6 +54,7 @@ def test_a_quantized_slow_hop_sends_less_and_its_error_does_not_accumulate():
     assert results[0]["state"]["residuals"]  # kept per call site, for checkpoints
 
 
+@pytest.mark.slow  # 18 s: the quick suite's budget (the fp32 two-level average above stays quick)
 def test_strategies_train_with_two_levels_as_with_one_and_resume_the_slow_hop_residuals():
     two = {"group_size": 2}
     q8 = {**two, "slow_hop_bits": 8}
