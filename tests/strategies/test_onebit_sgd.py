@@ -40,7 +40,7 @@ def test_registered_and_documented():
         assert knob in doc
 
 
-def _fit(tmp_path, strategy, ckpt_path=None, max_steps=2):
+def _fit(tmp_path, strategy, ckpt_path=None, max_steps=2, model=None):
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -52,7 +52,7 @@ def _fit(tmp_path, strategy, ckpt_path=None, max_steps=2):
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+    trainer.fit(model or BoringModel(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -63,14 +63,9 @@ class AdamModel(BoringModel):
 
 @pytest.mark.parametrize(("bits", "warns"), [(1, True), (4, True), (16, False)])
 def test_a_quantized_exchange_under_adam_warns_and_names_onebit_adam(tmp_path, bits, warns):
-    strategy = OneBitSGDStrategy(num_quantization_bits=bits)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-    )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(AdamModel())
+        _fit(tmp_path, OneBitSGDStrategy(num_quantization_bits=bits), max_steps=1, model=AdamModel())
     named = [str(w.message) for w in caught if "onebit_adam" in str(w.message)]
     assert bool(named) == warns, named
     if warns:
