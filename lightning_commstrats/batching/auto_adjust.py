@@ -34,7 +34,6 @@ from lightning_commstrats.batching.resize import LR_SCALINGS, lr_scale
 
 log = logging.getLogger(__name__)
 
-_SCALARS = (int, float, bool)
 CNTK_SEARCH_BATCHES = 500  # CNTK's numMiniBatch4LRSearch: the search trains on this many batches' samples
 
 
@@ -468,9 +467,7 @@ class Snapshot:
         self.optimizers: list[dict[str, Any]] = []
         self.schedulers: list[dict[str, Any]] = []
         self.precision: dict[str, Any] = {}
-        self.strategy: tuple[dict[str, Any], dict[str, Any]] | None = None
-        self.two_level: Any = None
-        self.scalars: dict[str, Any] = {}
+        self.strategy: dict[str, Any] | None = None
         self.rng: dict[str, Any] = {}
         self.metrics: list[tuple[Metric, dict[str, Any]]] = []
         self.lr_factor = 1.0
@@ -480,6 +477,9 @@ class Snapshot:
         from lightning_commstrats.strategies import CommStrategy
 
         s = cls()
+        strategy = trainer.strategy
+        if isinstance(strategy, CommStrategy):  # first: it lets the exchange in flight land
+            s.strategy = strategy.take_snapshot()
         module = trainer.lightning_module
         with torch.no_grad():
             s.tensors = [(t, t.detach().clone()) for t in [*module.parameters(), *module.buffers()]]
@@ -487,14 +487,6 @@ class Snapshot:
         s.optimizers = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
         s.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
         s.precision = copy.deepcopy(trainer.precision_plugin.state_dict())
-        strategy = trainer.strategy
-        if isinstance(strategy, CommStrategy):
-            s.strategy = (copy.deepcopy(strategy.state_dict()), copy.deepcopy(strategy.rank_state_dict()))
-            if strategy.two_level is not None:
-                s.two_level = copy.deepcopy(strategy.two_level.state_dict())
-            # counters outside the state dicts (samples at the last step, a run's sync count found at
-            # its first batch...), and those still unset (None) that a trial may set
-            s.scalars = {k: v for k, v in vars(strategy).items() if v is None or type(v) in _SCALARS}
         s.rng = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
@@ -507,15 +499,8 @@ class Snapshot:
         return s
 
     def restore(self, trainer: pl.Trainer) -> None:
-        strategy = trainer.strategy
-        if self.strategy is not None:
-            state, rank_state = self.strategy
-            strategy.load_state_dict(copy.deepcopy(state), copy.deepcopy(rank_state))
-            if self.two_level is not None:
-                strategy.two_level.load_state_dict(copy.deepcopy(self.two_level))
-            for key, value in self.scalars.items():
-                if value is not None or type(getattr(strategy, key, None)) in _SCALARS:
-                    setattr(strategy, key, value)
+        if self.strategy is not None:  # first: it waits for the exchange a trial left in flight
+            trainer.strategy.restore_snapshot(self.strategy)
         with torch.no_grad():
             for t, saved in self.tensors:
                 t.copy_(saved)

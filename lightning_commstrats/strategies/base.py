@@ -16,6 +16,7 @@ Lightning's own traffic (``barrier``, ``broadcast``, ``reduce`` for ``self.log(.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -46,7 +47,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_commstrats._logging import log_rank_zero
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, flatten, unflatten_into
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, BucketKey, flatten, unflatten_into
 from lightning_commstrats.comm import (
     BACKENDS,
     CommStats,
@@ -68,7 +69,13 @@ RESUME_MISMATCH = ("error", "reset", "reshard")
 NONFINITE_POLICIES = ("raise", "skip")
 STATE_KEY = "lightning_commstrats"
 TWO_LEVEL_KEY = "two_level"  # in a rank's state: the residuals of a quantized slow hop
+_COUNTER_TYPES = (int, float, bool)  # the strategy's plain attributes a snapshot keeps (see take_snapshot)
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+# The routes of a fused reduction, fixed by what is reduced, not chosen per call site:
+GRADIENTS = "gradients"  # over the replicas, through the two-level or slow hop (which may quantize)
+STATE = "state"  # optimizer state over the replicas: exact, in the tensors' own float type
+BUFFERS = "buffers"  # module buffers over every rank (whole on each, sharded or not): exact, in fp32 or wider
+ROUTES = (GRADIENTS, STATE, BUFFERS)
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
@@ -247,8 +254,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.nonfinite = nonfinite
         self._nonfinite_names: list[str] = []  # set by an exchange of this step whose average was not finite
         self.bucket_cap_mb = bucket_cap_mb
-        self._fused: BucketedAllReduce | None = None
-        self._fused_world: BucketedAllReduce | None = None  # sharded runs: buffers over every rank
+        self._fused: BucketedAllReduce | None = None  # the gradients' route
+        self._fused_exact: dict[str, BucketedAllReduce] = {}  # the exact routes (STATE, BUFFERS)
         self._param_names: dict[int, str] = {}
         self.samples_per_worker = 0
         self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
@@ -387,12 +394,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if self.sharding is not None and self.sharding.mesh is None:
             self.sharding.connect(self._comm, self.num_processes, self.root_device)
             assert self.sharding.cross is not None
-            self.two_level = SlowHop(self.sharding.cross, self.slow_hop_bits)
+            self.two_level = SlowHop(self.sharding.cross, self.slow_hop_bits, hold=True)
             if self.lightning_module is not None:  # for a configure_model that shards the model itself
                 self.lightning_module._device_mesh = self.sharding.mesh
         elif self.group_size is not None and self.world_size > 1 and self.two_level is None:
             size = self.num_processes if self.group_size == "node" else self.group_size
-            self.two_level = TwoLevelAllReduce(self._comm, size, self.slow_hop_bits)
+            self.two_level = TwoLevelAllReduce(self._comm, size, self.slow_hop_bits, hold=True)
         log.info(
             "%s: rank %d of %d over %r%s",
             type(self).__name__,
@@ -510,7 +517,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def scheme_tensors(self) -> list[Tensor]:
         """The tensors of the scheme's own state (residuals, global model, outer optimizer...), for
         :meth:`memory_stats`; the base holds the fused buckets and the slow hop's residuals."""
-        held: list[Any] = [self._fused, self._fused_world]
+        held: list[Any] = [self._fused, *self._fused_exact.values()]
         if self.two_level is not None:
             held.append(self.two_level.state_dict())
         return tensors_in(held)
@@ -566,8 +573,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
         return [b for b in module.buffers() if id(b) not in agreed]
 
     def sync_buffers(self, tag: str = "buffers") -> None:
-        """Make every rank's buffers equal: floating-point ones averaged (BatchNorm's running
-        statistics of all ranks' data), the others (counters) taken from rank 0; fused, one
+        """Make every rank's buffers equal: floating-point ones averaged exactly over every rank in
+        fp32 or wider (BatchNorm's running statistics of all ranks' data; never through a quantized
+        slow hop, whatever ``slow_hop_bits``), the others (counters) taken from rank 0; fused, one
         collective per dtype and bucket. Called before validation during fit, at every periodic
         sync, before a checkpoint is written and when fit ends: buffers never see a gradient, so
         no exchange of the schemes keeps them in agreement otherwise."""
@@ -576,7 +584,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
         buffers = self.buffers_to_sync()
         floats = [b for b in buffers if b.is_floating_point()]
         if floats:
-            self.all_reduce_fused(floats, tag=tag, world=True)
+            # half-precision buffers are summed in fp32 (a bf16 sum of ranks' statistics rounds twice)
+            wide = [b if b.element_size() >= 4 else b.float() for b in floats]
+            self.all_reduce_fused(wide, tag=tag, names=[f"buffer{i}" for i in range(len(wide))], route=BUFFERS)
+            for b, w in zip(floats, wide, strict=True):
+                if w is not b:
+                    b.copy_(w)
         others: dict[torch.dtype, list[Tensor]] = {}
         for b in buffers:
             if not b.is_floating_point():
@@ -617,6 +630,31 @@ class CommStrategy(RankDevices, ParallelStrategy):
 
     def reset_state(self) -> None:
         """Start the scheme's own state afresh (counters keep counting)."""
+
+    def take_snapshot(self) -> dict[str, Any]:
+        """A private copy of everything of this strategy's that training changes, for
+        :meth:`restore_snapshot` (AutoAdjust rolls its trials back with it): both state dicts, the
+        slow hop's residuals and the counters kept outside them (the samples at the last step, a run's
+        sync count found at its first batch..., and those still unset that training may set). The
+        exchange in flight lands first: its thread writes the error feedback the copy holds."""
+        self.wait_for_exchange()
+        return {
+            "state": copy.deepcopy(self.state_dict()),
+            "rank_state": copy.deepcopy(self.rank_state_dict()),
+            "two_level": None if self.two_level is None else copy.deepcopy(self.two_level.state_dict()),
+            "counters": {k: v for k, v in vars(self).items() if v is None or type(v) in _COUNTER_TYPES},
+        }
+
+    def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Put back a :meth:`take_snapshot` (which stays usable). An exchange started since is waited
+        for and dropped: landing after this, it would overwrite the error feedback put back."""
+        self.wait_for_exchange()
+        self.load_state_dict(copy.deepcopy(snapshot["state"]), copy.deepcopy(snapshot["rank_state"]))
+        if snapshot["two_level"] is not None and self.two_level is not None:
+            self.two_level.load_state_dict(copy.deepcopy(snapshot["two_level"]))
+        for key, value in snapshot["counters"].items():
+            if value is not None or type(getattr(self, key, None)) in _COUNTER_TYPES:
+                setattr(self, key, value)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -840,6 +878,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
             self._nonfinite_names = []
             for observe in self.gradient_observers:
                 observe(optimizer)
+            hop = self.two_level
+            if hop is not None:
+                hop.discard()  # nothing held from a step that raised
             self.after_backward(optimizer)
             self._nonfinite_names = self.agree_on_names(self._nonfinite_names)
             if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
@@ -847,6 +888,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 for group in optimizer.param_groups:  # the optimizer steps over nothing
                     for p in group["params"]:
                         p.grad = None
+            if hop is not None:  # the slow hop's residuals move only with a step that runs, all or none
+                hop.commit() if runs else hop.discard()
         return runs
 
     def end_step(self, optimizer: Optimizer, runs: bool) -> None:
@@ -927,40 +970,58 @@ class CommStrategy(RankDevices, ParallelStrategy):
         tensors: Sequence[Tensor],
         *,
         tag: str,
+        names: Sequence[str],
+        route: str = GRADIENTS,
         exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
-        names: Sequence[str] | None = None,
-        world: bool = False,
     ) -> None:
-        """Average ``tensors`` over ranks in place, fused into buckets of at most ``bucket_cap_mb``.
+        """Average ``tensors`` (named ``names``, one each) in place, fused into buckets of at most
+        ``bucket_cap_mb``, by the route their kind fixes:
 
-        With ``shard="fsdp"`` the ranks are those of :attr:`replica_comm` (the tensors are local
-        shards: gradients, optimizer state) unless ``world`` (tensors every rank holds whole: buffers).
+        - :data:`GRADIENTS`: over :attr:`replica_comm` (with ``shard="fsdp"`` the tensors are local
+          shards), through the two-level all-reduce or the slow hop where there is one, quantized
+          when ``slow_hop_bits < 32``: each bucket's residual is keyed by its tensors' names and kept
+          only once the step's vote says it runs. Averages that hold an inf or a NaN are reported
+          (:meth:`report_nonfinite`), for the ``nonfinite`` policy to raise or skip the step on
+          every rank; the check reads each bucket's average once (every rank holds the same, so
+          every rank decides the same) and synchronises with the host once per call.
+        - :data:`STATE`: optimizer state over :attr:`replica_comm`, exactly (a flat all-reduce).
+        - :data:`BUFFERS`: module buffers, whole on every rank, over every rank, exactly.
 
-        ``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
-        ``tensors``); it must return the same tensor on every rank.
-
-        ``names`` (the tensors' names; gradients): the averages that hold an inf or a NaN are
-        reported (:meth:`report_nonfinite`), for the ``nonfinite`` policy to raise or skip the step
-        on every rank. The check reads each bucket's average once (every rank holds the same, so
-        every rank decides the same) and synchronises with the host once per call, not per tensor.
+        ``exchange(flat, indices)`` replaces the plain all-reduce of one gradient bucket (``indices``
+        into ``tensors``); it must return the same tensor on every rank.
         """
+        if route not in ROUTES:
+            raise ValueError(f"route={route!r} is not one of {ROUTES}")
+        if exchange is not None and route != GRADIENTS:
+            raise ValueError(f"an exchange of its own is for gradients, not route={route!r}")
         cap = int(self.bucket_cap_mb * 2**20)
-        if world and self.sharding is not None:
-            if self._fused_world is None:
-                self._fused_world = BucketedAllReduce(self.comm, cap)
-            fused = self._fused_world
-        else:
+        if route == GRADIENTS:
             if self._fused is None:
-                self._fused = BucketedAllReduce(self.comm, cap, average=self.two_level)
+                self._fused = BucketedAllReduce(self.replica_comm, cap, average=self.two_level)
             fused = self._fused
-        flags: list[Tensor] | None = [] if names is not None else None
-        fused(tensors, tag=tag, exchange=exchange, finite_flags=flags)
+        else:
+            fused = self._fused_exact.get(route)
+            if fused is None:
+                fused = BucketedAllReduce(self.comm if route == BUFFERS else self.replica_comm, cap)
+                self._fused_exact[route] = fused
+        flags: list[Tensor] | None = [] if route == GRADIENTS else None
+        fused(tensors, tag=tag, names=names, exchange=exchange, finite_flags=flags)
         if flags and not bool(torch.stack(flags).all()):
-            assert names is not None
             self.report_nonfinite([n for n, t in zip(names, tensors, strict=True) if not bool(torch.isfinite(t).all())])
 
-    def average_flat(self, flat: Tensor, tag: str, key: str | None = None) -> Tensor:
-        """The average over ranks of one flat buffer: two levels with ``group_size``, else one ring."""
+    def release_fused(self, tag: str) -> None:
+        """Drop the fused buffers kept for traffic ``tag`` on every route (traffic that has ended)."""
+        for fused in (self._fused, *self._fused_exact.values()):
+            if fused is not None:
+                fused.release(tag)
+
+    def fused_buffers_held(self, tag: str) -> bool:
+        """Whether fused buffers are kept for gradient traffic ``tag``."""
+        return self._fused is not None and self._fused.buffers(tag) is not None
+
+    def average_flat(self, flat: Tensor, tag: str, key: BucketKey) -> Tensor:
+        """The average over ranks of one flat gradient bucket named by ``key``: two levels with
+        ``group_size``, else one ring."""
         if self.two_level is not None:
             return self.two_level(flat, tag, key)
         return self.comm.all_reduce(flat, "avg", tag=tag)

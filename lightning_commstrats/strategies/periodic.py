@@ -977,6 +977,8 @@ class PeriodicSyncStrategy(CommStrategy):
 
     @override
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        # the exchange in flight is replaced: its thread must not write the residuals loaded below
+        self.wait_for_exchange()
         n = sum(local(p).numel() for p in self.params)
         if rank_state["weights"] is not None and rank_state["weights"].numel() != n:
             raise ValueError(f"it holds {rank_state['weights'].numel()} weights and this model has {n}")

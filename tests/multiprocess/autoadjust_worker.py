@@ -3,7 +3,7 @@
 Usage: ``autoadjust_worker.py SPEC_JSON OUT_DIR``; SPEC is ``{"scenarios": {name: scenario}}`` with
 keys ``strategy`` (a registry name), ``kwargs`` (its arguments), ``auto`` (AutoAdjust's arguments),
 ``epochs``, ``batch_size``, ``samples`` (the dataset's size), ``optimizer`` ("sgd" with momentum, the
-default, or "adam") and ``seed``.
+default, or "adam"), ``seed`` and ``gate`` (hold the background exchanges, see :class:`Probe`).
 
 The model is a small MLP (momentum SGD, a dropout so every step draws random numbers) on a dataset
 whose sample ``i`` carries ``i``, so the worker knows which samples each step trained on. Around
@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,28 +89,84 @@ def clone(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def capture(trainer: L.Trainer) -> dict[str, Any]:
+def capture(trainer: L.Trainer, scheme: bool = True) -> dict[str, Any]:
+    """This rank's state; ``scheme=False`` leaves out the strategy's two state dicts, whose reading
+    waits for an exchange in flight (a probe that waits would hide a rollback that does not)."""
     strategy = trainer.strategy
     module = trainer.lightning_module
     sampler = resize._state(trainer).sampler
-    return {
+    state = {
         "model": clone(module.state_dict()),
         "grads": [clone(p.grad) for p in module.parameters()],
         "optimizer": clone(trainer.optimizers[0].state_dict()),
-        "strategy": clone(strategy.state_dict()),
-        "rank_state": clone(strategy.rank_state_dict()),
         "counters": {k: v for k, v in vars(strategy).items() if type(v) in (int, float, bool)},
         "rng": torch.get_rng_state(),
         "position": None if sampler is None else (sampler.position, sampler.batches, sampler.size),
     }
+    if scheme:
+        state["strategy"] = clone(strategy.state_dict())
+        state["rank_state"] = clone(strategy.rank_state_dict())
+    return state
+
+
+def in_flight(strategy: Any) -> bool:
+    pending = getattr(strategy, "_inflight", None)
+    return pending is not None and pending.future is not None
+
+
+def gate_exchanges(strategy: Any) -> None:
+    """Hold every background exchange until this rank lets it go: when the strategy waits for it, or
+    when a ``load_state_dict`` replaced it without waiting (then it lands after the state was put back,
+    deterministically, instead of only when the thread happens to be slow)."""
+    permits = threading.Semaphore(0)
+    exchange_on, wait, load = strategy._exchange_on, strategy.wait_for_exchange, strategy.load_state_dict
+
+    def gated_exchange_on(*args: Any) -> Any:
+        if not permits.acquire(timeout=120):
+            raise RuntimeError("a gated exchange was never waited for nor dropped")
+        return exchange_on(*args)
+
+    def gated_wait() -> None:
+        if in_flight(strategy):
+            permits.release()
+        wait()
+
+    def gated_load(state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        dropped = in_flight(strategy)
+        load(state, rank_state)
+        if dropped and not in_flight(strategy):  # the exchange was replaced without a wait: let it land now
+            permits.release()
+
+    strategy._exchange_on, strategy.wait_for_exchange, strategy.load_state_dict = (
+        gated_exchange_on,
+        gated_wait,
+        gated_load,
+    )
+
+
+def drain(strategy: Any) -> None:
+    """Let the strategy's exchange thread finish what it was given (an exchange dropped without a wait)."""
+    pool = getattr(strategy, "_pool", None)
+    if pool is not None:
+        pool.submit(lambda: None).result()
 
 
 class Probe(AutoAdjust):
-    """AutoAdjust that keeps this rank's state around each search and at the end of each trial."""
+    """AutoAdjust that keeps this rank's state around each search and at the end of each trial.
 
-    def __init__(self, **kwargs: Any) -> None:
+    With ``gate=True`` the strategy's background exchanges are gated (:func:`gate_exchanges`), the
+    end of a trial is read without waiting for the exchange in flight, and the state after the
+    search once the exchange thread has finished whatever it still held."""
+
+    def __init__(self, gate: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.gate = gate
         self.searched: list[dict[str, Any]] = []
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        if self.gate:
+            gate_exchanges(trainer.strategy)
 
     def on_train_epoch_start(self, trainer, pl_module):
         before = capture(trainer)
@@ -125,12 +182,16 @@ class Probe(AutoAdjust):
             self.searched[-1]["order"] = order
 
     def _choose(self, trainer, size, epoch, trials, spent):
+        if self.gate:
+            drain(trainer.strategy)
         self._after = capture(trainer)  # the trials rolled back, before the chosen size applies
         super()._choose(trainer, size, epoch, trials, spent)
 
     def _trial(self, trainer, pl_module, snapshot, indices, size):
         loss = super()._trial(trainer, pl_module, snapshot, indices, size)
-        self._ends.append(capture(trainer))
+        end = capture(trainer, scheme=not self.gate)
+        end["in_flight"] = in_flight(trainer.strategy)
+        self._ends.append(end)
         return loss
 
 
@@ -138,7 +199,7 @@ def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     L.seed_everything(sc.get("seed", 7), verbose=False)
     model = Mlp(sc.get("batch_size", 4), sc.get("samples", 128), sc.get("optimizer", "sgd"))
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
-    probe = Probe(**sc.get("auto", {}))
+    probe = Probe(gate=sc.get("gate", False), **sc.get("auto", {}))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,

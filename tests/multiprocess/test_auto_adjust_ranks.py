@@ -123,3 +123,24 @@ def test_the_data_position_is_kept_and_every_rank_picks_the_same_size(run):
             assert s["after"]["position"][0] == 0
     assert ranks[0][scheme]["trained"][0] != ranks[1][scheme]["trained"][0]  # each rank its own shard
     assert ranks[0][scheme]["logged"] == chosen[-1]
+
+
+# The schemes whose exchange runs in the background, at their default delays, each exchange held until
+# the rank waits for it or drops it: a rollback that drops one without waiting lets it land on the
+# state just put back (the error feedback), which these probes do not hide by waiting themselves.
+IN_FLIGHT = {
+    "streaming_diloco": {"strategy": "streaming_diloco", "kwargs": {"sync_period": 4, "num_fragments": 2}},
+    "sparseloco": {"strategy": "sparseloco", "kwargs": {"sync_period": 2}, "optimizer": "adam"},
+}
+
+
+def test_the_rollback_waits_for_the_exchange_in_flight():
+    scenarios = {name: {**sc, "auto": AUTO, "epochs": 1, "samples": 32, "gate": True} for name, sc in IN_FLIGHT.items()}
+    ranks = run_ranks({"scenarios": scenarios}, 2, script=WORKER, timeout=300)
+    for r, rank in enumerate(ranks):
+        for scheme in IN_FLIGHT:
+            (s,) = rank[scheme]["searched"]
+            # not vacuous: some trial ended with its exchange still on its way
+            assert any(end["in_flight"] for end in s["trial_ends"]), (scheme, r)
+            for key in ("model", "grads", "optimizer", "strategy", "rank_state", "counters", "rng"):
+                assert same(s["before"][key], s["after"][key]), (scheme, r, key)
