@@ -112,10 +112,12 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     - a list ``[k_0, k_1, ...]``: ``k_p`` values per tile at sync ``p`` (0: the first), then
       ``topk_per_chunk``.
 
-    The place in the schedule comes from the step count (``sync_period`` units since
-    ``parallelization_start``), which checkpoints and healing replicas carry: a resumed run, and
-    every rank, keep the same count at a sync, so the payloads of a sync have one size on every rank
-    (a plain all-gather); each sync is charged the bytes it sent. How to tune for a run of ``S`` syncs:
+    The place in the schedule is the count of syncs each fragment has launched (sync ``p``: the
+    ``p``-th launch, whatever the period's unit: a period in samples that batches do not divide
+    lands between steps, so the progress is no measure of it). Every rank launches the same syncs,
+    checkpoints hold the count and a healing replica takes its source's, so a resumed run, and every
+    rank, keep the same count at a sync: the payloads of a sync have one size on every rank (a plain
+    all-gather); each sync is charged the bytes it sent. How to tune for a run of ``S`` syncs:
     with ``S`` well above ``n / k`` the paper's density needs no schedule; below it, use
     ``topk_schedule="run"``, or a constant ``topk_per_chunk`` near ``n / S`` or above, or a shorter
     ``sync_period``; if the loss still jumps at syncs, lower ``outer_lr``. A dense exchange in 2 bits
@@ -273,12 +275,25 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         self.density = DensitySchedule(topk_schedule, topk_per_chunk, topk_tile * topk_tile) if published else None
         self.run_syncs: int | None = None  # the syncs this fit will have, known at its first batch
         self.kept_now = topk_per_chunk  # values kept per tile at the sync being launched
+        # syncs launched per fragment: the place in the density schedule (shared state: in checkpoints
+        # and in the state a healing replica receives)
+        self.density_syncs = [0] * num_fragments
 
-    def sync_index(self) -> int:
-        """Which sync of the run the one due now is (0: the first): from the progress that checkpoints
-        and healing replicas carry, so a resumed run and every replica find the same place in the
-        schedule without a counter of their own."""
-        return max(0, math.ceil((self._progress() - self.parallelization_start) / self.sync_period) - 1)
+    def sync_index(self, fragment: int = 0) -> int:
+        """Which sync of ``fragment`` the one due now is (0: the first): the count of its syncs
+        launched so far, which every rank keeps alike, checkpoints hold and healing replicas receive."""
+        return self.density_syncs[fragment]
+
+    def _progress_counts(self) -> list[int]:
+        """The syncs each fragment launched by now, as a checkpoint without the count implies them (exact
+        for a period in steps: fragment ``k`` first syncs ``(k + 1) H / F`` units in, then every ``H``)."""
+        done, h, f = self._progress() - self.parallelization_start, self.sync_period, self.num_fragments
+        return [max(0, (done - (k + 1) * h // f) // h + 1) if done >= (k + 1) * h // f else 0 for k in range(f)]
+
+    def _set_kept_for(self, fragment: int, index: int) -> None:
+        if self.density is not None:  # set in this thread, before the exchange's thread reads it
+            self.kept_now = self.density.kept(index, self.run_syncs)
+            self._set_kept(self._exchange)
 
     def _set_kept(self, exchange: TensorExchange | None) -> None:
         if exchange is not None and isinstance(exchange.quantized, TiledSparseAllGather):
@@ -292,10 +307,44 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
 
     @override
     def _launch(self, fragment: int, background: bool) -> None:
-        if self.density is not None:  # set in this thread, before the exchange's thread reads it
-            self.kept_now = self.density.kept(self.sync_index(), self.run_syncs)
-            self._set_kept(self._exchange)
+        self._set_kept_for(fragment, self.sync_index(fragment))
+        # counted before the launch: the state offered to a replica that heals inside this sync holds it
+        self.density_syncs[fragment] += 1
         super()._launch(fragment, background)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "density_syncs": list(self.density_syncs)}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        super().load_state_dict(state, rank_state)
+        saved = state.get("density_syncs")
+        if saved is not None and len(saved) != self.num_fragments:
+            raise ValueError(f"it counts the syncs of {len(saved)} fragments and this run has {self.num_fragments}")
+        self.density_syncs = [int(n) for n in saved] if saved is not None else self._progress_counts()
+
+    @override
+    def replica_state(self, pending: Any | None) -> dict[str, Any]:
+        return {**super().replica_state(pending), "density_syncs": list(self.density_syncs)}
+
+    @override
+    def adopt(self, state: dict[str, Any]) -> None:
+        super().adopt(state)
+        if state.get("density_syncs") is not None:
+            self.density_syncs = [int(n) for n in state["density_syncs"]]
+
+    @override
+    def join_sync(self, state: dict[str, Any]) -> Any:
+        pending = super().join_sync(state)
+        # the sync it joins keeps what its peers' launch kept (their count includes that launch)
+        self._set_kept_for(pending.fragment, max(self.density_syncs[pending.fragment] - 1, 0))
+        return pending
+
+    @override
+    def reset_state(self) -> None:
+        super().reset_state()
+        self.density_syncs = [0] * self.num_fragments
 
     @override
     def warn_if_no_sync(self, batch_size: int) -> int | None:

@@ -179,3 +179,22 @@ def test_a_run_too_short_for_sparse_error_feedback_is_warned_naming_its_syncs():
     assert _fit(scheduled, 12) == [] and scheduled.run_syncs == 3
     long_enough = SparseLoCoStrategy(sync_period=1, topk_form="published", topk_tile=8, topk_per_chunk=4)
     assert _fit(long_enough, 16) == []
+
+
+def test_the_schedule_counts_each_fragments_syncs_and_a_checkpoint_without_the_count_implies_it():
+    strategy = SparseLoCoStrategy(
+        sync_period=8,
+        num_fragments=2,
+        fragment_sync_delay=0,
+        topk_schedule="geometric",
+        topk_form="published",
+        topk_tile=8,
+        topk_per_chunk=4,
+    )
+    assert strategy.density_syncs == [0, 0]
+    # fragment 0 syncs 4 steps in, then every 8; fragment 1 8 steps in: by step 20, 3 and 2 syncs launched
+    strategy.optimizer_steps = 20
+    assert strategy._progress_counts() == [3, 2]
+    strategy.optimizer_steps = 3
+    assert strategy._progress_counts() == [0, 0]
+    assert strategy.state_dict()["density_syncs"] == [0, 0]

@@ -117,3 +117,20 @@ def test_a_run_resumed_mid_schedule_ends_bit_for_bit_as_the_uninterrupted_one():
             assert torch.equal(value, res["straight"]["params"][key]), key
         straight, resumed = res["straight"]["stats"], res["resumed"]["stats"]
         assert resumed["weights_sparse/bytes_sent"] < straight["weights_sparse/bytes_sent"]
+
+
+@pytest.mark.parametrize("unit", ["samples", "steps"])
+def test_the_kth_sync_keeps_the_kth_density_whatever_the_period_unit(unit):
+    # batches of 4: a period of 10 samples puts the syncs after steps 3, 6, 9 (12, 24, 36 samples), a
+    # period of 3 steps at the same steps. The schedule [64, 16] then 4 must give those three syncs
+    # 64, 16 and 4 values per tile: the bytes of each sync, counted by hand in the test above.
+    period = {"samples": 10, "steps": 3}[unit]
+    kw = {**SCHEDULED, "sync_period": period, "sync_period_unit": unit}
+    scenarios = {unit: {"strategy": "sparseloco", "kwargs": kw, "max_steps": 9, "trace": True}}
+    results = run_ranks({"scenarios": scenarios}, 2)
+    for res in results:
+        assert [h[1] for h in res[unit]["sync_history"]] == [3, 6, 9]
+        per_step = [int(s.get("weights_sparse/bytes_sent", 0)) for s in res[unit]["step_bytes"]]
+        # per sync (one other rank receives each payload): 64 kept, 16 kept, 4 kept
+        assert [per_step[2], per_step[5], per_step[8]] == [205, 173, 108], per_step
+        assert sum(per_step) == 205 + 173 + 108
