@@ -198,11 +198,18 @@ class GradientNoiseScale(Callback):
     What each scheme lets it measure:
 
     - ``allreduce`` (and ``onebit_sgd`` at 32 bits, without a quantized slow hop): exact, as above.
-    - ``onebit_sgd``, ``onebit_adam``, ``sampled_vocab``: what they average is quantized or has rows
+    - ``onebit_sgd``, ``sampled_vocab``: what they average is quantized or has rows
       left out (and carries error feedback from earlier steps), so its norm is not ``|G_big|^2``; each
       rank sends instead a count sketch of its own gradient (``sketch_size`` floats), whose average
       gives an unbiased estimate of the exact average's squared norm. It adds ``8 x sketch_size``
       bytes a step and some noise (at most ``sqrt(2 / sketch_size)`` relative to ``|G_big|^2``).
+    - ``onebit_adam``, ``zero_one_adam``: measured by sketch too, every step. They average Adam's
+      momentum (or 0/1 Adam's accumulated update), not the gradient, take Adam's step at the
+      exchange and clear the gradients there: the averaged gradient is never held, and recovering it
+      from the averaged momentum would divide the 1-bit error by ``1 - beta1``. Each rank's own
+      gradient, observed before the exchange, is all the sketch needs. 0/1 Adam's local steps send
+      nothing of their own; measured, each carries the noise scale's all-reduce (``24 + 8 x
+      sketch_size`` bytes), a synchronisation of the ranks these steps otherwise skip.
     - The periodic schemes (``model_averaging``, ``bmuf``, ``local_sgd``, ``diloco``,
       ``streaming_diloco``, ``sparseloco``) and the asynchronous ``parameter_server`` never average
       gradients per step: measuring would add a collective every step, the very synchronisation
@@ -463,10 +470,12 @@ class GradientNoiseScale(Callback):
     ) -> None:
         local, self._local = self._local, None
         samples, self._samples = self._samples, 0
-        if local is None or all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
-            # the step is skipped on every rank alike (an overflow, non-finite gradients)
-            return
         strategy = trainer.strategy
+        # A step skipped on every rank alike: an overflow (not observed), non-finite averages. Not
+        # "no gradient left": onebit_adam and zero_one_adam take Adam's step at the exchange and clear
+        # the gradients there, and the sketch of each rank's own, observed before, is all it needs.
+        if local is None or strategy._nonfinite_names:
+            return
         world = strategy.world_size
         mean = strategy.comm.all_reduce(local.clone(), "avg", tag="noise_scale")
         b, b_sq, small_sq = (float(v) for v in mean[:3].cpu())

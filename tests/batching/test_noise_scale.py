@@ -22,6 +22,7 @@ from lightning_commstrats import (
     SampledVocabStrategy,
     SparseLoCoStrategy,
     StreamingDiLoCoStrategy,
+    ZeroOneAdamStrategy,
 )
 from lightning_commstrats.batching.noise_scale import (
     GradientNoiseScale,
@@ -170,9 +171,10 @@ def test_bad_settings_are_refused_at_construction_by_name(kwargs, setting):
         (OneBitSGDStrategy(num_quantization_bits=32), "exact"),
         (OneBitSGDStrategy(), "sketch"),
         (OneBitAdamStrategy(), "sketch"),
+        (ZeroOneAdamStrategy(), "sketch"),
         (SampledVocabStrategy(), "sketch"),
     ],
-    ids=["allreduce", "two_level", "onebit_32", "onebit", "onebit_adam", "sampled_vocab"],
+    ids=["allreduce", "two_level", "onebit_32", "onebit", "onebit_adam", "zero_one_adam", "sampled_vocab"],
 )
 def test_each_gradient_scheme_is_measured_exactly_or_by_sketch(strategy, mode):
     assert GradientNoiseScale()._mode_for(strategy, 2) == mode

@@ -2,10 +2,12 @@
 
 Usage: ``noise_scale_worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"scenarios": {name: scenario}}`` with
 keys ``strategy`` (a registry name), ``kwargs`` (its arguments), ``callback`` (``GradientNoiseScale``
-arguments), ``max_steps``, ``batch_size`` (per rank, at the start), ``samples`` (dataset size) and
-``accumulate``. Each rank saves ``OUT_DIR/rank<r>.pt`` holding, per scenario and optimizer step, its
-own gradient before the exchange (``own``), the gradient the optimizer stepped on (``averaged``),
-what the callback logged (``logged``), and the size of every batch it trained on (``batches``).
+arguments), ``max_steps``, ``batch_size`` (per rank, at the start), ``samples`` (dataset size),
+``accumulate`` and ``optimizer`` ("sgd", the default, or "adam"). Each rank saves
+``OUT_DIR/rank<r>.pt`` holding, per scenario and optimizer step, its own gradient before the exchange
+(``own``), the gradient the optimizer stepped on (``averaged``), what the callback logged
+(``logged``), the size of every batch it trained on (``batches``) and the steps the callback
+measured (``measured``).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from lightning_commstrats.comm import destroy_process_group
 class Regression(L.LightningModule):
     """A two-layer net fitting a noisy linear target: gradients with both signal and noise."""
 
-    def __init__(self, batch_size: int, samples: int) -> None:
+    def __init__(self, batch_size: int, samples: int, optimizer: str = "sgd") -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        self.batch_size, self.samples = batch_size, samples
+        self.batch_size, self.samples, self.optimizer = batch_size, samples, optimizer
         self.batches: list[int] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -40,6 +42,8 @@ class Regression(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self) -> DataLoader:
@@ -50,14 +54,17 @@ class Regression(L.LightningModule):
 
 
 class Record(L.Callback):
-    """Per optimizer step: this rank's gradient as the optimizer sees it, and what was logged."""
+    """Per optimizer step: this rank's gradient as the optimizer sees it (None where a scheme took its
+    step at the exchange and cleared it), and what was logged."""
 
     def __init__(self) -> None:
         self.averaged: list[dict[str, torch.Tensor]] = []
         self.logged: list[dict[str, float]] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.averaged.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
+        self.averaged.append(
+            {n: None if p.grad is None else p.grad.detach().clone() for n, p in pl_module.named_parameters()}
+        )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if trainer.fit_loop.epoch_loop._should_accumulate():
@@ -67,7 +74,7 @@ class Record(L.Callback):
 
 def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     L.seed_everything(sc.get("seed", 7), verbose=False)
-    model = Regression(sc.get("batch_size", 4), sc.get("samples", 256))
+    model = Regression(sc.get("batch_size", 4), sc.get("samples", 256), sc.get("optimizer", "sgd"))
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
     own: list[dict[str, torch.Tensor]] = []
     after_backward = strategy.after_backward
@@ -98,6 +105,7 @@ def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         "logged": record.logged,
         "batches": model.batches,
         "mode": noise.mode,
+        "measured": noise.estimator.steps,
         "stats": trainer.strategy.comm_stats.snapshot().as_dict(),
     }
     return trainer.global_rank, result

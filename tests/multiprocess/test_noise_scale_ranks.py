@@ -120,3 +120,36 @@ def test_under_onebit_sgd_the_sketch_of_each_ranks_gradient_is_measured_and_accu
         # 3 float64 and a sketch of 256 float64 per step
         print("onebit_sgd, noise-scale bytes sent per step:", r["stats"]["noise_scale/bytes_sent"] / STEPS)
     same_on_every_rank(ranks)
+
+
+ADAM_SCHEMES = {
+    "onebit_adam": scenario("onebit_adam", freeze_step=3, small_tensor_numel=16),
+    # fp32 variance steps (1, 2, 4), a 1-bit round (3), then local steps (7) between rounds (5, 6, 8)
+    "zero_one_adam": scenario(
+        "zero_one_adam",
+        var_freeze_step=4,
+        var_update_scaler=2,
+        local_step_scaler=1,
+        local_step_clipper=4,
+        small_tensor_numel=16,
+    ),
+}
+
+
+# a run of two ranks each (8 to 11 s on two quiet cores): zero_one_adam, which had no step measured
+# at all, in the quick suite
+@pytest.mark.parametrize("scheme", [pytest.param("onebit_adam", marks=pytest.mark.slow), "zero_one_adam"])
+def test_under_the_adam_schemes_every_step_is_measured_from_the_sketch_of_each_ranks_gradient(scheme):
+    # both take Adam's step at the exchange and clear the gradients there: the averaged gradient is
+    # never held, and the sketch of each rank's own (taken before the exchange) stands for it, at
+    # every step: the fp32 warm-up, the 1-bit rounds and 0/1 Adam's local steps (no exchange at all)
+    spec = {"scenarios": {scheme: {**ADAM_SCHEMES[scheme], "optimizer": "adam"}}}
+    ranks = [r[scheme] for r in run_ranks(spec, WORLD, script=WORKER, timeout=240)]
+    expected = by_hand(ranks, sketch=256)
+    for r in ranks:
+        assert r["mode"] == "sketch"
+        assert r["measured"] == STEPS
+        got = [s.get("train/noise_scale", math.nan) for s in r["logged"]]
+        print(f"{scheme}, logged:", [f"{v:.4f}" for v in got], "by hand:", [f"{v:.4f}" for v in expected])
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True)
+    same_on_every_rank(ranks)
