@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 TORCHFT_AVAILABLE = RequirementCache("torchft")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+QUORUM_TAG = "quorum"  # the statistics' tag of the waits for a quorum and a commit (no bytes)
 INSTALL_HINT = 'fault tolerance needs torchft: pip install "lightning-commstrats[ft]"'
 
 
@@ -365,7 +366,16 @@ class ReplicaSync:
         return int(self.manager.batches_committed())
 
     def quorum(self) -> Quorum:
-        """Join the next quorum; waits for ``min_replicas`` replicas at most ``quorum_timeout`` seconds."""
+        """Join the next quorum; waits for ``min_replicas`` replicas at most ``quorum_timeout`` seconds.
+        The wait is charged to the statistics (tag ``"quorum"``): the loop's waiting when a blocking sync
+        waits, background seconds in an exchange's thread."""
+        began = time.perf_counter()
+        try:
+            return self._quorum()
+        finally:
+            self.stats.record_wait(QUORUM_TAG, time.perf_counter() - began, background=None)
+
+    def _quorum(self) -> Quorum:
         config = self.config
         deadline = time.monotonic() + config.quorum_timeout
         # a heal received by an attempt that is then retried (too few replicas) still counts: torchft
@@ -434,7 +444,11 @@ class ReplicaSync:
         process group reported an error, or fewer than ``min_replicas`` took part."""
         if not ok:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError("exchange failed"))
-        return bool(self.manager.should_commit(timeout=timedelta(seconds=self.config.timeout)))
+        began = time.perf_counter()  # every rank of every replica votes: the slowest's lateness is waited for here
+        try:
+            return bool(self.manager.should_commit(timeout=timedelta(seconds=self.config.timeout)))
+        finally:
+            self.stats.record_wait(QUORUM_TAG, time.perf_counter() - began, background=None)
 
     def shutdown(self) -> None:
         """Leave the run (idempotent; safe from another thread: a call waiting in the Manager fails)."""

@@ -10,6 +10,7 @@ import time
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_commstrats import (
@@ -201,6 +202,7 @@ def test_a_quorum_request_that_fails_at_once_is_not_retried_in_a_busy_loop():
     # fails at once; the wait renews at the renewal's pace until quorum_timeout, then says so
     from datetime import timedelta  # noqa: F401 (the fake takes torchft's arguments)
 
+    from lightning_commstrats.comm.stats import CommStats
     from lightning_commstrats.fault_tolerance import ReplicaSync
 
     calls = []
@@ -215,7 +217,7 @@ def test_a_quorum_request_that_fails_at_once_is_not_retried_in_a_busy_loop():
     sync = object.__new__(ReplicaSync)
     sync.config = FaultTolerance(**{**FT, "quorum_timeout": 1.5, "timeout": 1.0, "quorum_renew_interval": 0.5})
     sync.manager, sync.closed, sync.run_store, sync._received = Gone(), False, None, None
-    sync.renew_interval = 0.5
+    sync.renew_interval, sync.stats = 0.5, CommStats()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"within quorum_timeout=1\.5 s"):
         sync.quorum()
@@ -266,3 +268,60 @@ def test_renewals_are_paced_by_the_lighthouse_join_timeout_from_the_run_store():
     assert paced_renewal(0.5, 2000) == 0.5 and paced_renewal(2.0, None) == 2.0
     store.mark_ended("replica 'x' finished it at optimizer step 7")
     assert "step 7" in store.ended()
+
+
+def _waiting_sync(stats, quorum_seconds: float, commit_seconds: float):
+    """A ReplicaSync over a stand-in Manager whose quorum and commit take known times."""
+    from lightning_commstrats.fault_tolerance import ReplicaSync
+
+    class Slow:
+        _quorum_future = None
+
+        def start_quorum(self, timeout):
+            time.sleep(quorum_seconds)
+
+        def num_participants(self):
+            return 2
+
+        def errored(self):
+            return None
+
+        def participating_rank(self):
+            return 0
+
+        def current_step(self):
+            return 3
+
+        def should_commit(self, timeout):
+            time.sleep(commit_seconds)
+            return True
+
+    sync = object.__new__(ReplicaSync)
+    sync.config = FaultTolerance(**FT)
+    sync.manager, sync.closed, sync.run_store, sync._received = Slow(), False, None, None
+    sync.renew_interval, sync.pg, sync.stats, sync.host = 2.0, None, stats, True
+    sync.device = torch.device("cpu")
+    return sync
+
+
+def test_the_waits_for_a_quorum_and_a_commit_are_the_loops_waiting_or_background_work():
+    import threading
+
+    from lightning_commstrats.comm.stats import CommStats
+
+    stats = CommStats()  # made here: this thread is the training loop's
+    sync = _waiting_sync(stats, 0.3, 0.2)
+    sync.quorum()
+    assert sync.commit(True)
+    # a blocking sync waits in the loop's thread: waiting, not compute
+    assert 0.5 <= stats.comm_seconds < 2.0, stats.comm_seconds
+    assert stats.by_tag["quorum"].comm_seconds == stats.comm_seconds and stats.calls == 0
+    assert stats.background_seconds == 0.0
+    # a delayed sync waits in the exchange's thread: background work (the loop's own wait for that
+    # thread is charged where it joins it), not counted twice
+    before = stats.comm_seconds
+    worker = threading.Thread(target=lambda: (sync.quorum(), sync.commit(True)))
+    worker.start()
+    worker.join()
+    assert stats.comm_seconds == before
+    assert 0.5 <= stats.background_seconds < 2.0, stats.background_seconds

@@ -216,13 +216,20 @@ class CommStats:
         if crowded:  # nobody has read the stats for a while: book what is done, keep the list short
             self._settle(wait=False)
 
-    def record_wait(self, tag: str, seconds: float) -> None:
+    def record_wait(self, tag: str, seconds: float, *, background: bool | None = False) -> None:
         """Charge ``seconds`` the training loop waited for communication in the background (a
         background exchange joined back, a flag round read) to ``tag``: no bytes, no call (the
-        collectives themselves were recorded where they ran)."""
+        collectives themselves were recorded where they ran).
+
+        ``background=None``: a wait that is not a collective (a fault-tolerant replica waiting for its
+        quorum or commit) charged by the thread it happened in, as :meth:`record` does: the loop's
+        waiting from the loop's thread, background seconds from another (whose wait the loop is
+        charged for where it joins that thread)."""
+        if background is None:
+            background = threading.get_ident() != self._loop_thread
         with self._lock:
-            self._total.add(0, seconds, calls=0)
-            self._by_tag.setdefault(tag, CommCounters()).add(0, seconds, calls=0)
+            self._total.add(0, seconds, background, calls=0)
+            self._by_tag.setdefault(tag, CommCounters()).add(0, seconds, background, calls=0)
 
     def _settle(self, wait: bool) -> None:
         """Book the pending seconds that are known (all of them with ``wait``, waiting for the device).

@@ -328,6 +328,10 @@ def main() -> None:
         "loss": loss,
         "lr": lr,
         "bytes": {tag: c.bytes_sent for tag, c in strategy.comm_stats.by_tag.items()},
+        # the loop's waiting (all of it, and the waits for a quorum or a commit) and its wall time
+        "comm_seconds": strategy.comm_stats.comm_seconds,
+        "quorum_seconds": getattr(strategy.comm_stats.by_tag.get("quorum"), "comm_seconds", 0.0),
+        "wall_seconds": strategy.comm_stats.wall_seconds,
     }
     rank = strategy.global_rank
     torch.save(result, out / (f"{rid}.pt" if rank == 0 else f"{rid}.rank{rank}.pt"))

@@ -164,6 +164,23 @@ def test_a_preempted_replica_stops_as_one_and_leaves_the_run_to_the_others():
     assert b["heals"] and b["global_step"] == a["global_step"] == 128
 
 
+@pytest.mark.slow  # about 28 s each (two replicas starting); the quick suite times ReplicaSync on a stand-in Manager
+@pytest.mark.parametrize(("scheme", "delay"), [("diloco", 0), ("streaming_diloco", 1)])
+def test_a_replica_waiting_for_the_others_quorum_counts_the_wait_as_waiting(scheme, delay):
+    # b sleeps 0.1 s a step more than a: a waits about 0.8 s for b's quorum at each of its 4 syncs,
+    # whether the sync blocks the loop or runs beside it for a step (then the loop waits to apply it)
+    kw = {"scheme": scheme, "max_steps": 32, "scheme_kwargs": {"sync_period": 8, "fragment_sync_delay": delay}}
+    with FTRun(min_replicas=2) as run:
+        run.start("a", spec(0, step_sleep=0.0, **kw))
+        run.start("b", spec(1, step_sleep=0.1, **kw))
+        results = run.wait()
+    a = results["a"]
+    assert a["global_step"] == results["b"]["global_step"] == 32
+    late = 4 * 8 * 0.1
+    assert a["comm_seconds"] >= 0.8 * late, (a["comm_seconds"], a["quorum_seconds"], a["wall_seconds"])
+    assert a["comm_seconds"] <= a["wall_seconds"]
+
+
 def test_replicas_at_the_same_step_with_different_models_take_one_before_averaging():
     # torchft heals by committed step only; b's global model is changed behind its back after its
     # committed step 3 (as when two replicas each formed a first quorum alone, or a sync committed on
