@@ -8,13 +8,40 @@ from one call to the next, so that a step allocates nothing.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+@dataclass(frozen=True)
+class BucketKey:
+    """The identity of one fused bucket: its traffic tag and the names of its tensors, in order.
+
+    What keys a bucket's error-feedback residual on a quantized hop. Built from names, never from a
+    size: two buckets of equal length (identical Transformer blocks) hold different tensors and
+    must not share a residual. :meth:`residual_key` is the string a checkpoint stores; a holder of
+    residuals keeps :attr:`names` beside it, so that a key reused for other tensors raises.
+    """
+
+    tag: str
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.names or not all(isinstance(n, str) and n for n in self.names):
+            raise ValueError(f"a bucket key needs the names of the bucket's tensors, got {self.names!r}")
+
+    @property
+    def residual_key(self) -> str:
+        """``<tag>:<first>[..<last>]#<count>:<crc32 of every name>``: readable, and distinct for other names."""
+        span = self.names[0] if len(self.names) == 1 else f"{self.names[0]}..{self.names[-1]}"
+        digest = zlib.crc32("\0".join(self.names).encode())
+        return f"{self.tag}:{span}#{len(self.names)}:{digest:08x}"
 
 
 def park(t: Tensor, home: torch.device | None) -> Tensor:

@@ -334,6 +334,18 @@ class QuantizedAllReduce:
         """Drop the residuals of the last call (the old ones stay)."""
         self._pending = None
 
+    def take_pending(self) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
+        """The residuals of the last ``commit=False`` call, handed over (``None`` after a non-finite
+        call): a caller that stages several calls until one decision keeps them and calls
+        :meth:`keep` on each, or drops them."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def keep(self, pending: tuple[dict[str, Tensor], dict[str, Tensor]]) -> None:
+        """Make residuals handed over by :meth:`take_pending` the current ones."""
+        self._pending = pending
+        self.commit()
+
     def rebind(self, comm: Communicator, *, keep_stripes: bool) -> None:
         """Exchange over ``comm`` from now on; without ``keep_stripes`` (another rank or number of
         ranks) the stripe layouts and the stage-2 residuals, which belong to the old stripes, go."""

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_commstrats.buckets import FlatBuffers, layout_key, plan_buckets, unflatten_into
+from lightning_commstrats.buckets import BucketKey, FlatBuffers, layout_key, plan_buckets, unflatten_into
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
 from lightning_commstrats.compression.density import StatisticalAllGather
@@ -46,8 +46,8 @@ from lightning_commstrats.compression.sparse_tiles import TiledSparseAllGather, 
 
 EXCHANGE_BITS = (1, 2, 4, 8, 16, 32)
 SCALES = ("columns", "rows")
-# averages one flat fp32 bucket over ranks: (flat, tag, key naming the bucket) -> a new tensor
-Average = Callable[[Tensor, str, str], Tensor]
+# averages one flat fp32 bucket over ranks: (flat, tag, the bucket's key: its tensors' names) -> a new tensor
+Average = Callable[[Tensor, str, BucketKey], Tensor]
 WARM_START_UNITS = ("samples", "steps")
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -63,7 +63,8 @@ class BucketedAllReduce:
     tag held between calls, as DDP holds its buckets. ``keep_buffers=False`` makes them per call
     (for large exchanges that come rarely). One caller at a time (a background exchange has its own).
     ``average(flat, tag, key)``, when given, averages a bucket instead of the flat all-reduce (a
-    two-level all-reduce; ``key`` names the bucket).
+    two-level all-reduce, maybe quantized); ``key`` is the bucket's
+    :class:`~lightning_commstrats.buckets.BucketKey`, made from the ``names`` every call must then give.
     """
 
     def __init__(
@@ -81,13 +82,19 @@ class BucketedAllReduce:
         tensors: Sequence[Tensor],
         *,
         tag: str,
+        names: Sequence[str] | None = None,
         exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
         finite_flags: list[Tensor] | None = None,
     ) -> None:
-        """``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices`` into
-        ``tensors``); it must return the same tensor on every rank, and keep no reference to
+        """``names``: the tensors' names, one each (required with ``average``: they key each bucket's
+        residual). ``exchange(flat, indices)`` replaces the plain all-reduce of one bucket (``indices``
+        into ``tensors``); it must return the same tensor on every rank, and keep no reference to
         ``flat`` (a buffer the next call overwrites). With ``finite_flags``, one boolean device
         tensor per bucket is appended to it: whether the bucket's average is finite."""
+        if names is not None and len(names) != len(tensors):
+            raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
+        if self.average is not None and exchange is None and names is None:
+            raise ValueError(f"the buckets of {tag!r} go through {self.average!r}: give their tensors' names (keys)")
         key = layout_key(tensors)
         plan = self._plans.get(key)
         if plan is None:
@@ -103,7 +110,8 @@ class BucketedAllReduce:
             if exchange is not None:
                 out = exchange(flat, indices)
             elif self.average is not None:
-                out = self.average(flat, tag, f"{tag}/{b}")
+                assert names is not None
+                out = self.average(flat, tag, BucketKey(tag, tuple(names[i] for i in indices)))
             else:
                 out = self.comm.all_reduce(flat, "avg", tag=tag)
             if finite_flags is not None:
@@ -273,7 +281,7 @@ class TensorExchange:
         small = {n: t for n, t in named.items() if n not in large}
         flags: list[Tensor] = []
         if small:
-            self.fused(list(small.values()), tag=self.tag, finite_flags=flags)
+            self.fused(list(small.values()), tag=self.tag, names=list(small), finite_flags=flags)
         bad: list[str] = []
         if large:
             assert self.quantized is not None

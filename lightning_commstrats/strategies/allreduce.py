@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, BucketKey
 from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT, CommStrategy
@@ -93,7 +93,7 @@ class AllReduceStrategy(CommStrategy):
 
         Override in gradient-compression schemes. Every rank must return the same tensor.
         """
-        return self.average_flat(flat_grad, "grad")
+        return self.average_flat(flat_grad, "grad", BucketKey("grad", tuple(self.param_name(p) for p in params)))
 
     def exchange_compressed(self, compression: GradientCompression, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` through ``compression``: quantized matrices (after its

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.allreduce import trainable_params
+from lightning_commstrats.strategies.base import STATE
 from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy, refuse_outer_arguments
 
 WEIGHTINGS = ("uniform", "samples")  # how model averaging weighs the ranks' models
@@ -174,14 +175,15 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
     def average_optimizer_states(self) -> None:
         """Average every optimizer's floating-point state tensors over ranks (tag ``"optimizer_state"``)."""
         for optimizer in self.optimizers:
-            states = [optimizer.state[p] for p in trainable_params(optimizer) if p in optimizer.state]
-            buffers = [
-                local(s[key])
-                for s in states
+            named = [
+                (f"{self.param_name(p)}.{key}", local(s[key]))
+                for p in trainable_params(optimizer)
+                if (s := optimizer.state.get(p)) is not None
                 for key in sorted(s)
                 if isinstance(s[key], Tensor) and s[key].is_floating_point() and s[key].dim() > 0
             ]
-            if buffers:
-                self.all_reduce_fused(buffers, tag="optimizer_state")
-        if self._fused is not None:  # once per period and as large as the optimizer state: no standing copy
-            self._fused.release("optimizer_state")
+            if named:
+                self.all_reduce_fused(
+                    [t for _, t in named], tag="optimizer_state", names=[n for n, _ in named], route=STATE
+                )
+        self.release_fused("optimizer_state")  # once per period and as large as the optimizer state: no standing copy

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from rank_env import connect, finish
 
+from lightning_commstrats.buckets import BucketKey
 from lightning_commstrats.compression.hierarchical import TwoLevelAllReduce
 
 
@@ -33,7 +34,7 @@ def main() -> None:
         mine = buffer(comm.rank, size)
         flat = comm.all_reduce(mine.clone(), "avg", tag="flat")
         before = comm.stats.snapshot().as_dict()
-        outs = [two(mine.clone(), "two", key=f"b{size}") for _ in range(spec.get("steps", 1))]
+        outs = [two(mine.clone(), "two", BucketKey("two", (f"b{size}",))) for _ in range(spec.get("steps", 1))]
         after = comm.stats.snapshot().as_dict()
         charged = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.endswith("bytes_sent")}
         result["sizes"][size] = {"flat": flat, "outs": outs, "charged": charged}
