@@ -37,21 +37,25 @@ class ShardPolicy:
             module names (as ``named_modules`` gives them).
         min_unit_numel: with ``units=None``, the fewest parameter values a unit holds (default 65,536:
             smaller modules stay with their parent, each unit is one all-gather and one reduce-scatter).
-        reshard_after_forward: free a unit's gathered parameters after its forward (``True``, FSDP2's
-            default: least memory, parameters gathered again in backward) or keep them until backward.
+        reshard_after_forward: ``None`` (default, FSDP2's own default): every unit frees its gathered
+            parameters after its forward and gathers them again in backward, while the root keeps its
+            own gathered until backward (it is needed first there: one all-gather a step fewer).
+            ``True``: every module frees them, the root too (least memory). ``False``: every module
+            keeps them until backward (no all-gather in backward, most memory). A periodic scheme
+            that swaps in the global model for validation reshards the model first.
     """
 
     units: Sequence[Any] | None = None
     min_unit_numel: int = 1 << 16
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     _classes: tuple[type, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_unit_numel, bool) or not isinstance(self.min_unit_numel, int) or self.min_unit_numel < 1:
             raise ValueError(f"shard_policy.min_unit_numel must be an int >= 1, got {self.min_unit_numel!r}")
-        if not isinstance(self.reshard_after_forward, bool):
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             raise ValueError(
-                f"shard_policy.reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"
+                f"shard_policy.reshard_after_forward must be None, True or False, got {self.reshard_after_forward!r}"
             )
         if self.units is not None:
             if isinstance(self.units, (str, type)) or not isinstance(self.units, Sequence):

@@ -461,8 +461,7 @@ class PeriodicSyncStrategy(CommStrategy):
 
     def _start(self) -> None:
         self.started = True
-        if self._fused is not None:  # the warm start's gradient exchange is over: free its buffers
-            self._fused.release("grad")
+        self.release_fused("grad")  # the warm start's gradient exchange is over: free its buffers
         self._stagger()
         self.outer = self._new_outer()
         self.outer.start([self.flat_weights(k) for k in range(self.num_fragments)])
@@ -865,17 +864,35 @@ class PeriodicSyncStrategy(CommStrategy):
 
     # ------------------------------------------------------------------ validation on the global model
 
+    def reshard(self) -> None:
+        """Put every FSDP2 module of a sharded model back on its shards (FSDP2's ``FSDPModule.reshard``).
+
+        A forward without backward (validation) leaves a module that does not reshard after forward
+        (``shard_policy.reshard_after_forward=False``, and the root under FSDP2's default) with its
+        gathered parameters registered in place of the shards; the shards are what this strategy
+        reads and writes, and what the next forward gathers again."""
+        module = self.lightning_module
+        if self.sharding is None or module is None:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         global_weights = self.global_weights()
         if global_weights is not None:
+            self.reshard()
             self._stash = [local(p).detach().clone() for p in self.params]
             self.load_flat(global_weights)
 
     @override
     def on_validation_end(self) -> None:
         if self._stash is not None:
+            self.reshard()  # validation's forwards may have left the global model gathered
             with torch.no_grad():
                 for p, mine in zip(self.params, self._stash, strict=True):
                     local(p).copy_(mine)

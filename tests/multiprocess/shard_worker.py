@@ -17,7 +17,8 @@ unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optim
 "adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir`` / ``resume_dir``,
 ``nan_at`` ([step, rank]: a NaN in that rank's embedding gradient shard), ``dims``, ``model`` (``"tied"``,
 default, or ``"gpt2"``: Hugging Face's GPT-2), ``epoch_steps`` (batches per
-epoch: a checkpoint at an epoch's end resumes on the same data).
+epoch: a checkpoint at an epoch's end resumes on the same data), ``val_every`` (validate every that
+many batches during fit, on 2 batches of other data; ``validations`` counts how many ran).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class TiedNet(L.LightningModule):
         self.head.weight = self.emb.weight  # tied
         self.optimizer = optimizer
         self.losses: list[float] = []
+        self.validations = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
@@ -64,6 +66,7 @@ class TiedNet(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val/loss", nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+        self.validations += batch_idx == 0
 
     def configure_optimizers(self) -> Any:
         if self.optimizer == "sgd":
@@ -89,6 +92,7 @@ class HFNet(TiedNet):
         self.gpt = GPT2LMHeadModel(config)
         self.optimizer = optimizer
         self.losses: list[float] = []
+        self.validations = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gpt(input_ids=x).logits
@@ -189,7 +193,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         strategy=strategy,
         max_steps=steps,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        val_check_interval=sc.get("val_every"),
+        limit_val_batches=2 if sc.get("val_every") else 0,
         logger=False,
         enable_checkpointing=bool(sc.get("ckpt_every")),
         enable_progress_bar=False,
@@ -201,7 +206,10 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
     if sc.get("resume"):
         source, step = sc["resume"]
         ckpt_path = Path(sc.get("resume_dir", out / source)) / f"step={step}.ckpt"
-    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+    val_loader = None
+    if sc.get("val_every"):  # other batches than training's (rank ids no training rank has)
+        val_loader = DataLoader(RankBatches(rank_hint + 100, sc.get("batch_size", 4), 2), batch_size=None)
+    trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=ckpt_path)
     result: dict[str, Any] = {
         "local_numel": {n: local(p).numel() for n, p in model.named_parameters()},
         "full_numel": {n: p.numel() for n, p in model.named_parameters()},
@@ -216,6 +224,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         "sync_history": list(getattr(strategy, "sync_history", [])),
         "optimizer_steps": strategy.optimizer_steps,
         "sharded": all(is_dtensor(p) for p in model.parameters()),
+        "validations": model.validations,
     }
     return trainer.global_rank, result
 
