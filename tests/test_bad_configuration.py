@@ -45,6 +45,9 @@ CASES = [
     # an unknown keyword is reported against the class the user called
     (DiLoCoStrategy, {"sync_every": 4}, TypeError, r"DiLoCoStrategy got unexpected keyword argument\(s\) \['sync_every'\]"),
     (SampledVocabStrategy, {"gamma": 3}, TypeError, r"SampledVocabStrategy got unexpected keyword argument\(s\) \['gamma'\]"),
+    # a misspelled one is given the nearest names the class (and its bases) take
+    (DiLoCoStrategy, {"sync_peroid": 16}, TypeError, r"did you mean: sync_peroid -> sync_period\?"),
+    (AllReduceStrategy, {"slow_hop_bit": 4}, TypeError, r"did you mean: slow_hop_bit -> slow_hop_bits\?"),
     # 1-bit SGD and the gradient codecs
     (OneBitSGDStrategy, {"num_quantization_bits": 3}, ValueError, "num_quantization_bits=3 is not supported"),
     (OneBitSGDStrategy, {"distributed_after": -1}, ValueError, "distributed_after must be an int >= 0"),

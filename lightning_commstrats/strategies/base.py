@@ -17,6 +17,7 @@ Lightning's own traffic (``barrier``, ``broadcast``, ``reduce`` for ``self.log(.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_commstrats._cli_errors import nearest
 from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, BucketKey, flatten, unflatten_into
 from lightning_commstrats.comm import (
@@ -200,8 +202,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 " rejoin; a scheme that exchanges every step needs every rank at every step"
             )
         if unknown:
+            hint = _suggest(type(self), unknown)
             raise TypeError(
-                f"{type(self).__name__} got unexpected keyword argument(s) {sorted(unknown)};"
+                f"{type(self).__name__} got unexpected keyword argument(s) {sorted(unknown)}{hint};"
                 f" see help(lightning_commstrats.{type(self).__name__}) for what it takes"
             )
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -1154,6 +1157,20 @@ def shard_name(filepath: Any, rank: int, world_size: int) -> str:
 def _beside(filepath: Any, name: str) -> str:
     """The path of the file ``name`` in the folder of ``filepath``."""
     return os.path.join(os.path.dirname(str(filepath)), name)
+
+
+def _suggest(cls: type, unknown: dict[str, Any]) -> str:
+    """``" (did you mean: sync_peroid -> sync_period?)"`` for misspelled keyword arguments: the nearest
+    of the names every ``__init__`` in ``cls``'s hierarchy takes, or ``""``."""
+    taken = {
+        name
+        for klass in cls.__mro__
+        if "__init__" in vars(klass)
+        for name, param in inspect.signature(vars(klass)["__init__"]).parameters.items()
+        if name != "self" and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+    }
+    hints = [f"{name} -> {' or '.join(close)}" for name in sorted(unknown) if (close := nearest(name, sorted(taken)))]
+    return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
 def _some_names(names: Sequence[str], most: int = 8) -> str:
