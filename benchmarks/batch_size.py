@@ -35,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 from cluster import launcher_free_env
 from lightning.pytorch.utilities.data import extract_batch_size
+from recorded import portable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,7 +137,7 @@ def run(strategy: str, schedule: str, seed: int, args: argparse.Namespace, extra
     milestones = {
         "class_path": "batch_size.Milestones",
         "init_args": {
-            "out": str(points),
+            "out": portable(points),
             "budget": args.samples,
             "every": args.eval_every,
             "windows": args.eval_windows,
@@ -288,7 +289,7 @@ def main() -> None:
     fixed = [r["points"][-1]["ppl"] for r in results if r["schedule"] == "fixed"]
     targets = args.target or [math.ceil(max(fixed or [r["points"][-1]["ppl"] for r in results]))]
     md = (
-        f"Config `{args.config}`, 2 ranks, {args.samples} samples per run (sequences over both ranks),"
+        f"Config `{portable(args.config)}`, 2 ranks, {args.samples} samples per run (sequences over both ranks),"
         f" perplexity on {args.eval_windows} validation windows every {args.eval_every} samples;"
         f" extra `{' '.join(extra)}`"
     )

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from recorded import portable_args
 
 from lightning_commstrats.compression import ColumnCodec, E3M0Codec
 from lightning_commstrats.data import LMDataModule
@@ -268,7 +269,7 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.md").write_text(md + "\n")
-        (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        (out / "results.json").write_text(json.dumps({"args": portable_args(args), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env, wait_all  # noqa: E402
+from recorded import portable  # noqa: E402
 
 # ---------------------------------------------------------------- the standard setting's constants
 # Measured once, not in the run they are used in (benchmarks/results/standard/calibration.md):
@@ -535,7 +536,7 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
 
     def probe(out: Path) -> str:
         init = {
-            "out": str(out),
+            "out": portable(out),
             "samples_per_step": args.batch_size * (1 if alone else n),
             "target_ppl": None if getattr(args, "equal_steps", None) else args.target_ppl,
             "budget_seconds": None if getattr(args, "equal_steps", None) else args.budget_seconds,

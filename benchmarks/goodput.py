@@ -60,6 +60,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env  # noqa: E402
+from recorded import portable, portable_args  # noqa: E402
 
 # ---------------------------------------------------------------- the setting
 # DiLoCo as compare.py races it (its DILOCO_H and its DiLoCo entries' outer optimizer), inner
@@ -1090,7 +1091,7 @@ def run_rate(args: argparse.Namespace, rate: float, out: Path, logs: Path) -> st
                     row = controller.run(plan)
                     row["job_seconds"] = time.time() - started
                     row["val_ppl"] = evaluate(args, settings, plan.run_dir)
-                    row["logs"] = str(plan.run_dir)
+                    row["logs"] = portable(plan.run_dir)
                     rows.append(row)
                     print(
                         f"   {row['committed_rounds']} rounds, {len(row['kills'])} kills, {row['heals']} heals,"
@@ -1108,7 +1109,7 @@ def run_rate(args: argparse.Namespace, rate: float, out: Path, logs: Path) -> st
                 "where": where,
                 "rate_mbit": None if loopback else rate,
                 "settings": settings,
-                "args": vars(args),
+                "args": portable_args(args),
                 "rows": rows,
             },
             indent=1,

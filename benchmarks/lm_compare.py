@@ -28,6 +28,7 @@ import torch
 import yaml
 from cluster import launcher_free_env
 from lightning.pytorch.strategies import StrategyRegistry
+from recorded import portable
 
 import lightning_commstrats  # noqa: F401 - registers the names
 from lightning_commstrats.comm import wire
@@ -153,7 +154,9 @@ def main() -> None:
     results = [run(spec, *parse_strategy(spec), args, extra) for spec in args.strategies]
     out = Path(args.out)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    md = f"Config `{args.config}`, {args.devices} ranks, extra `{' '.join(extra)}`\n\n" + table(results, args.devices)
+    md = f"Config `{portable(args.config)}`, {args.devices} ranks, extra `{' '.join(extra)}`\n\n" + table(
+        results, args.devices
+    )
     (out / "results.md").write_text(md + "\n")
     print(md)
 

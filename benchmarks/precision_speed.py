@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from recorded import portable_args
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_commstrats import LayeredMixedPrecision
@@ -155,7 +156,9 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.md").write_text("\n".join(lines) + "\n")
-        (out / "results.json").write_text(json.dumps({"args": vars(args), "device": device, "rows": rows}, indent=2))
+        (out / "results.json").write_text(
+            json.dumps({"args": portable_args(args), "device": device, "rows": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

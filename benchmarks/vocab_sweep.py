@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from lm_compare import REPO, run
+from recorded import portable
 
 
 def main() -> None:
@@ -49,7 +50,8 @@ def main() -> None:
             {"vocab": vocab, "allreduce": per_step[0], "sampled_vocab": per_step[1], "ratio": per_step[1] / per_step[0]}
         )
     lines = [
-        f"alpha={args.alpha}, beta={args.beta}, {args.devices} ranks, {args.steps} steps, config `{args.config}`",
+        f"alpha={args.alpha}, beta={args.beta}, {args.devices} ranks, {args.steps} steps,"
+        f" config `{portable(args.config)}`",
         "",
         "| vocabulary | allreduce MB/step/rank | sampled_vocab MB/step/rank | ratio |",
         "|---|---|---|---|",
