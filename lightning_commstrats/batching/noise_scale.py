@@ -178,10 +178,10 @@ class GradientNoiseScale(Callback):
        ``B_simple`` is their ratio; every rank computes the same numbers.
 
     Logged every step (subject to the Trainer's ``log_every_n_steps``): ``train/noise_scale``
-    (``B_simple`` in samples over all ranks; NaN while the average of ``|G|^2`` is not yet
-    positive), ``train/batch_size`` (per rank, the size of the next batch, as
-    :func:`~lightning_commstrats.batching.log_batch_size` logs it), ``train/gradient_sq`` and
-    ``train/gradient_trace`` (the two moving averages).
+    (``B_simple`` in samples over all ranks; not logged while the average of ``|G|^2`` is not yet
+    positive, where it is not defined), ``train/batch_size`` (per rank, the size of the next batch,
+    as :func:`~lightning_commstrats.batching.log_batch_size` logs it), ``train/gradient_sq`` and
+    ``train/gradient_trace`` (the two moving averages, once a step was measured).
 
     Batch-size warm-up (with ``max_batch_size``): every ``check_every_n_steps`` optimizer steps, if
     ``growth_factor`` times the global batch (``world_size`` x the per-rank batch) is still at most
@@ -488,9 +488,12 @@ class GradientNoiseScale(Callback):
             else:
                 big_sq = float(_squared_norm(_grads(optimizer)))
             noise_scale = self.estimator.update(small_sq, big_sq, b, b * world)
-        pl_module.log("train/noise_scale", noise_scale, on_step=True, on_epoch=False)
-        pl_module.log("train/gradient_sq", self.estimator.gradient_sq, on_step=True, on_epoch=False)
-        pl_module.log("train/gradient_trace", self.estimator.trace, on_step=True, on_epoch=False)
+        # a NaN in a chart reads as divergence: what is not defined yet is not logged
+        if not math.isnan(noise_scale):
+            pl_module.log("train/noise_scale", noise_scale, on_step=True, on_epoch=False)
+        if self.estimator.steps:
+            pl_module.log("train/gradient_sq", self.estimator.gradient_sq, on_step=True, on_epoch=False)
+            pl_module.log("train/gradient_trace", self.estimator.trace, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ checkpoints
 

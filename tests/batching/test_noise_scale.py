@@ -231,3 +231,45 @@ def test_the_callback_state_round_trips_through_a_checkpoint():
     assert resumed.estimator.state_dict() == saved.estimator.state_dict()
     assert resumed.history == saved.history
     assert resumed._resumed_size == 32  # the per-rank batch on_train_start sets again
+
+
+class _Comm:
+    def all_reduce(self, tensor, op, tag):  # every rank sent the same: the average is this rank's
+        return tensor
+
+
+class _Strategy:
+    world_size = 2
+    comm = _Comm()
+    _nonfinite_names: list[str] = []
+
+
+class _Module:
+    def __init__(self) -> None:
+        self.logged: list[dict[str, float]] = []
+
+    def log(self, name, value, **kwargs) -> None:
+        self.logged[-1][name] = value
+
+
+def test_nothing_is_logged_while_the_noise_scale_is_not_defined():
+    # a NaN in train/noise_scale reads as divergence: a step that cannot tell the noise scale does
+    # not log it (the moving averages, once a step was measured, are numbers and are logged)
+    noise = GradientNoiseScale(beta=0.5, measure="sketch")
+    noise.mode = "sketch"
+    trainer = type("Trainer", (), {"strategy": _Strategy()})()
+    module = _Module()
+    # per step: the ranks' mean [b, b^2] (b^2 off: uneven batches, not measured), each rank's |g|^2,
+    # and a one-bucket sketch of their average whose square is |G_big|^2
+    steps = ((4.0, 17.0, 1.0, 0.9), (4.0, 16.0, 1.0, 0.2), (4.0, 16.0, 1.0, 0.9))
+    for b, b_sq, small_sq, big_sq in steps:
+        noise._local = torch.tensor([b, b_sq, small_sq, math.sqrt(big_sq)], dtype=torch.float64)
+        module.logged.append({})
+        noise.on_before_optimizer_step(trainer, module, None)
+    assert noise.estimator.steps == 2
+    assert module.logged[0] == {}  # nothing measured yet
+    assert set(module.logged[1]) == {"train/gradient_sq", "train/gradient_trace"}  # |G|^2 estimate < 0
+    assert module.logged[1]["train/gradient_sq"] < 0
+    assert set(module.logged[2]) == {"train/noise_scale", "train/gradient_sq", "train/gradient_trace"}
+    assert module.logged[2]["train/noise_scale"] == pytest.approx(noise.estimator.noise_scale)
+    assert math.isfinite(module.logged[2]["train/noise_scale"])

@@ -5,8 +5,8 @@ keys ``strategy`` (a registry name), ``kwargs`` (its arguments), ``callback`` (`
 arguments), ``max_steps``, ``batch_size`` (per rank, at the start), ``samples`` (dataset size),
 ``accumulate`` and ``optimizer`` ("sgd", the default, or "adam"). Each rank saves
 ``OUT_DIR/rank<r>.pt`` holding, per scenario and optimizer step, its own gradient before the exchange
-(``own``), the gradient the optimizer stepped on (``averaged``), what the callback logged
-(``logged``), the size of every batch it trained on (``batches``) and the steps the callback
+(``own``), the gradient the optimizer stepped on (``averaged``), what the callbacks logged
+during the step (``logged``), the size of every batch it trained on (``batches``) and the steps the callback
 measured (``measured``).
 """
 
@@ -60,6 +60,19 @@ class Record(L.Callback):
     def __init__(self) -> None:
         self.averaged: list[dict[str, torch.Tensor]] = []
         self.logged: list[dict[str, float]] = []
+        self._step: dict[str, float] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # what is logged during the step itself (the trainer's callback_metrics keeps the last
+        # value of a name the step did not log)
+        log = pl_module.log
+
+        def recorded(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if name.startswith("train/"):
+                self._step[name] = float(value)
+            log(name, value, *args, **kwargs)
+
+        pl_module.log = recorded
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.averaged.append(
@@ -69,7 +82,8 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return
-        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
+        self.logged.append(self._step)
+        self._step = {}
 
 
 def run_scenario(sc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
