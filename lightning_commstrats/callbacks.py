@@ -132,7 +132,7 @@ class CommStatsMonitor(Callback):
         n = self.summary_every_n_steps
         if n is not None and stats.steps - self._last_summary_step >= n:
             self._last_summary_step = stats.steps
-            rank_zero_info(format_summary(stats.snapshot()))
+            say_beside_bar(trainer, format_summary(stats.snapshot()))
 
     def _own_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A strategy that counts nothing: the batch's wall seconds, and the summary from the Trainer's steps."""
@@ -143,7 +143,7 @@ class CommStatsMonitor(Callback):
         n = self.summary_every_n_steps
         if n is not None and trainer.global_step - self._last_summary_step >= n:
             self._last_summary_step = trainer.global_step
-            rank_zero_info(format_steps_summary(type(trainer.strategy).__name__, **self._own_figures(trainer)))
+            say_beside_bar(trainer, format_steps_summary(type(trainer.strategy).__name__, **self._own_figures(trainer)))
 
     def _own_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         return {
@@ -178,6 +178,17 @@ class CommStatsMonitor(Callback):
                 **figures,
             }
             (out / f"comm_stats.rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
+
+
+def say_beside_bar(trainer: pl.Trainer, line: str) -> None:
+    """Rank 0 prints ``line`` during training: through the progress bar when one is drawing (it
+    clears its line, prints, and draws itself again below, instead of the line landing in the
+    middle of the bar's), else to the log."""
+    bar = trainer.progress_bar_callback
+    if bar is not None and getattr(bar, "is_enabled", False):  # drawing: rank 0's bar only
+        bar.print(line)
+        return
+    rank_zero_info(line)
 
 
 def format_summary(s: CommSnapshot) -> str:

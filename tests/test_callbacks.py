@@ -78,3 +78,30 @@ def test_a_strategy_that_counts_nothing_gets_steps_and_wall_time_and_one_warning
     assert summary.endswith("; bytes not known (SingleDeviceStrategy does not count them)")
     seconds = float(summary.split(" wall ")[1].split("s ")[0])
     assert seconds == pytest.approx(saved["wall_seconds"], abs=0.01)
+
+
+class PrintsBesideTheBar(L.pytorch.callbacks.TQDMProgressBar):
+    """The tqdm bar, keeping what was printed through it (``tqdm.write`` clears and redraws the bar)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.printed: list[str] = []
+
+    def print(self, *args, **kwargs) -> None:
+        self.printed.append(" ".join(map(str, args)))
+        super().print(*args, **kwargs)
+
+
+def test_the_summary_during_training_goes_through_a_drawing_progress_bar_not_into_its_line(caplog):
+    bar = PrintsBesideTheBar()
+    monitor = CommStatsMonitor(summary_every_n_steps=2, summary_at_end=False)
+    trainer = _trainer(strategy=AllReduceStrategy(), callbacks=[monitor, bar], enable_progress_bar=True, max_steps=4)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(BoringModel())
+    assert [line.split(":")[0] for line in bar.printed] == ["[comm] steps 2", "[comm] steps 4"]
+    assert "[comm] steps 2" not in caplog.text  # not also logged under the bar
+    # without a bar that draws, the summary goes to the log
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _trainer(strategy=AllReduceStrategy(), callbacks=[CommStatsMonitor(summary_every_n_steps=2)]).fit(BoringModel())
+    assert "[comm] steps 2" in caplog.text
