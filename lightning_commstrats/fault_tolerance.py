@@ -493,13 +493,27 @@ def paced_renewal(interval: float, join_timeout_ms: int | None) -> float:
 
 
 class ReplicaMismatch(ValueError):
-    """The replicas of a run cannot exchange: they have different numbers of ranks."""
+    """The replicas of a run cannot exchange: they have different numbers of ranks, or other layouts."""
 
 
 def mismatch_message(replica_id: str, mine: int, theirs: Any) -> str:
     return (
         f"replica {replica_id!r} has {mine} ranks and the run's replicas have {theirs}: every replica of a run must"
         " have the same number of ranks (rank i of each exchanges the same part of the model)"
+    )
+
+
+def layout_mismatch_message(replica_id: str, mine: str, theirs: str) -> str:
+    if mine == theirs:  # the same sharding, other tensors per rank
+        return (
+            f"replica {replica_id!r} ({mine}) exchanges other tensors than the run's replicas ({theirs}, the same"
+            " layout): another model, or another num_fragments; every replica of a run must train the same model"
+            " with the same settings"
+        )
+    return (
+        f"replica {replica_id!r} has the layout '{mine}' and the run's replicas have '{theirs}': every replica of a"
+        " run must have the same layout (the same number of ranks, sharded alike: rank i of each exchanges the same"
+        " part of the model); start this replica with the run's shard and group_size"
     )
 
 
@@ -517,6 +531,7 @@ class RunStore:
     KEY = "commstrats/run/ended"
     JOIN_TIMEOUT_KEY = "commstrats/run/join_timeout_ms"
     RANKS_KEY = "commstrats/run/ranks_per_replica"
+    LAYOUT_KEY = "commstrats/run/replica_layout"
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -567,6 +582,12 @@ class RunStore:
     def claim_ranks(self, ranks: int) -> int:
         """The run's number of ranks per replica: the first replica to join sets it to ``ranks``."""
         return int(self.store.compare_set(self.RANKS_KEY, "", str(ranks)).decode())
+
+    def claim_layout(self, layout: str) -> str:
+        """The run's replica layout (:meth:`ReplicaGroup.layout
+        <lightning_commstrats.replicas.ReplicaGroup.layout>`): the first replica to join sets it to
+        ``layout``."""
+        return self.store.compare_set(self.LAYOUT_KEY, "", layout).decode()
 
     def join_timeout_ms(self) -> int | None:
         """The Lighthouse's ``--join-timeout-ms`` (``None`` when the store does not say)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -52,6 +53,7 @@ from lightning_commstrats.fault_tolerance import (
     ReplicaMismatch,
     ReplicaSync,
     RunEnded,
+    layout_mismatch_message,
     mismatch_message,
     run_attempts,
 )
@@ -173,6 +175,7 @@ class ReplicaGroup:
         self._restored: dict[str, int] | None = None  # the Manager's counters from a checkpoint
         self._watch: PeerWatch | None = None
         self._failure: str | None = None  # why this replica left the run (a rank of it stopped)
+        self._layout: tuple[int, str] | None = None  # (checksum, description): see layout()
 
     # ------------------------------------------------------------------ join and leave
 
@@ -340,6 +343,39 @@ class ReplicaGroup:
                 " state and the others did not (the source failed inside the heal); restart the replica, it heals"
             )
 
+    def layout(self, host: ReplicaHost) -> tuple[int, str]:
+        """This replica's layout, the same on each of its ranks (a collective over them): a description
+        (its ranks, sharded or not) and a checksum of what each rank exchanges across replicas (the
+        names and shapes of its part of every fragment). Replicas of one run must have the same: rank
+        ``i`` of each exchanges with rank ``i`` of the others, tensors of the same sizes."""
+        assert self.comm is not None and self.holders is not None
+        ranks, groups = self.comm.world_size, self.holders.world_size
+        if getattr(host, "sharding", None) is None:
+            described = f"{ranks} ranks, unsharded"
+        else:
+            described = f"{ranks} ranks, shard='fsdp' in groups of {ranks // groups}"
+        mine = []
+        for f, weights in enumerate(host.global_tensors(None)):
+            views = host.named_views(f, weights)
+            begin, end = slice_bounds([v.numel() for v in views.values()], groups)[self.holders.rank]
+            mine.append([(name, tuple(v.shape)) for name, v in list(views.items())[begin:end]])
+        everyone = self.comm.all_gather_object(repr(mine))
+        return zlib.crc32("\n".join(everyone).encode()), described
+
+    def _claim_layout(self, host: ReplicaHost) -> None:
+        """Refuse to join a run whose replicas have another layout (the run's store keeps the first
+        replica's), before any collective with them: their sizes would not match."""
+        assert self.sync is not None
+        self._layout = self.layout(host)
+        if self.sync.run_store is None:  # no store: the quorum's replicas compare layouts (reconcile)
+            return
+        value = f"{self._layout[0]}|{self._layout[1]}"
+        theirs = self.sync.run_store.claim_layout(value)
+        if theirs != value:
+            raise ReplicaMismatch(
+                layout_mismatch_message(self.config.replica_id, self._layout[1], theirs.partition("|")[2])
+            )
+
     def first_quorum(self, host: ReplicaHost) -> None:
         """At the start of fit: agree with the replicas alive on the run's state. Replicas behind the
         quorum's highest committed step heal (torchft: a full restart continues from the replica with
@@ -347,6 +383,7 @@ class ReplicaGroup:
         one with the most committed batches (the run's first quorum: the lowest rank's, as a
         broadcast). A replica that joins a running run heals and takes part in the sync it found."""
         assert self.sync is not None
+        self._claim_layout(host)
         self.set_offer(host.replica_state(None))  # a peer may heal from this replica in this very quorum
         received: dict[str, Any] | None = None  # a heal survives a failed attempt: torchft will not send it again
 
@@ -510,12 +547,18 @@ class ReplicaGroup:
         weights = host.global_tensors(received)
         mine = fingerprint(weights).cpu()
         replica = self.relay.all_reduce(mine.clone(), tag="control") if self.relay.world_size > 1 else mine
-        row = torch.cat([torch.tensor([self.relay.world_size, self.sync.batches_committed]), replica])
+        layout = 0 if self._layout is None else self._layout[0]
+        row = torch.cat([torch.tensor([self.relay.world_size, layout, self.sync.batches_committed]), replica])
         rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
         sizes = sorted({int(r[0]) for r in rows})
         if len(sizes) > 1:
             raise ReplicaMismatch(mismatch_message(self.config.replica_id, self.relay.world_size, sizes))
-        rows = [r[1:] for r in rows]
+        if len({int(r[1]) for r in rows}) > 1:  # every replica of the quorum sees it: all say it
+            described = "" if self._layout is None else self._layout[1]
+            others = quorum.comm.all_gather_object(described, tag="control")
+            theirs = ", ".join(sorted({d for d in others if d} - {described})) or described
+            raise ReplicaMismatch(layout_mismatch_message(self.config.replica_id, described, theirs))
+        rows = [r[2:] for r in rows]
         if all(r[1:] == rows[0][1:] for r in rows):
             return None
         holders = [sum(r[1:] == rows[i][1:] for r in rows) for i in range(len(rows))]

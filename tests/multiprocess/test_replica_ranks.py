@@ -261,3 +261,28 @@ def test_replicas_of_different_sizes_are_refused_naming_both():
         log = (run.out / f"{ended[0]}.1.log").read_text()
     assert "every replica of a run must have the same number of ranks" in log, log[-3000:]
     assert ("has 2 ranks and the run's replicas have 1" in log) or ("has 1 ranks and the run's replicas have 2" in log)
+
+
+@pytest.mark.slow  # two replicas of two ranks each starting
+def test_a_replica_of_the_same_size_and_another_layout_is_refused_at_join_naming_both():
+    # a: two ranks, each holding the whole model (its half of the tensors exchanged); b: two ranks
+    # sharding the model with FSDP2 (each exchanging its shard). The same number of ranks, other parts
+    # of the model per rank: the cross-replica collectives would not match.
+    short = {"ft": {"timeout": 10.0, "quorum_timeout": 60.0}, "min_replicas": 2, "max_steps": 16}
+    with FTRun(min_replicas=2) as run:
+        run.start("a", spec(0, **short, mark_setup="a.setup"))
+        deadline = time.monotonic() + 120
+        while not (run.out / "a.setup").exists():
+            assert time.monotonic() < deadline and run.replicas["a"].poll() is None, run.tails()
+            time.sleep(0.2)
+        time.sleep(2.0)  # a joins the run (and says what it is) before b starts
+        began = time.monotonic()
+        run.start("b", spec(1, **short, scheme_kwargs={"sync_period": 8, "shard": "fsdp"}))
+        code = run.wait_dead("b", timeout=120)
+        took = time.monotonic() - began
+        log = (run.out / "b.1.log").read_text()
+        a_alive = run.replicas["a"].poll() is None
+    assert code != 0, log[-3000:]
+    assert "2 ranks, unsharded" in log and "2 ranks, shard='fsdp' in groups of 2" in log, log[-3000:]
+    assert took < 45, took  # its own start-up (two ranks, FSDP2) and seconds more, not a collective's timeout
+    assert a_alive  # the run's replica is left alone
