@@ -346,7 +346,7 @@ class ReplicaGroup:
     def layout(self, host: ReplicaHost) -> tuple[int, str]:
         """This replica's layout, the same on each of its ranks (a collective over them): a description
         (its ranks, sharded or not) and a checksum of what each rank exchanges across replicas (the
-        names and shapes of its part of every fragment). Replicas of one run must have the same: rank
+        shapes of its part of every fragment). Replicas of one run must have the same: rank
         ``i`` of each exchanges with rank ``i`` of the others, tensors of the same sizes."""
         assert self.comm is not None and self.holders is not None
         ranks, groups = self.comm.world_size, self.holders.world_size
@@ -358,7 +358,8 @@ class ReplicaGroup:
         for f, weights in enumerate(host.global_tensors(None)):
             views = host.named_views(f, weights)
             begin, end = slice_bounds([v.numel() for v in views.values()], groups)[self.holders.rank]
-            mine.append([(name, tuple(v.shape)) for name, v in list(views.items())[begin:end]])
+            # shapes, not names: a replica that names its parameters otherwise (a compiled module) exchanges alike
+            mine.append([tuple(v.shape) for v in list(views.values())[begin:end]])
         everyone = self.comm.all_gather_object(repr(mine))
         return zlib.crc32("\n".join(everyone).encode()), described
 
