@@ -45,6 +45,7 @@ from lightning_commstrats.batching.resize import (
 log = logging.getLogger(__name__)
 
 MEASURES = ("auto", "exact", "sketch")
+SKETCH_CHUNK = 1 << 20  # values hashed at a time by count_sketch: its workspace is 12 bytes each
 
 
 def unbiased_estimates(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
@@ -145,13 +146,25 @@ def count_sketch(tensors: list[Tensor], size: int, generator: torch.Generator) -
     seeded alike hash alike.
     """
     device = tensors[0].device if tensors else torch.device("cpu")
-    out = torch.zeros(size, dtype=torch.float64, device=device)
+    # A draw ``d`` in [0, 2 size) puts the value in bucket d // 2 with the sign of d even: added to
+    # slot d of 2 size slots, bucket b is slot 2b less slot 2b+1, and no sign or bucket is computed
+    # per value. The draws fill a workspace of at most SKETCH_CHUNK values (int32, as the values
+    # drawn below 2^32 are the same in either type), reused chunk after chunk: on the host the
+    # generator draws one value after the other, so the chunks draw what one call for every value
+    # would (on CUDA each call of the generator starts a new offset: other draws, alike on every rank).
+    slots = torch.zeros(2 * size, dtype=torch.float64, device=device)
+    longest = min(max((t.numel() for t in tensors), default=0), SKETCH_CHUNK)
+    drawn = torch.empty(longest, dtype=torch.int32, device=device)
+    values = torch.empty(longest, dtype=torch.float64, device=device)
     for t in tensors:
         flat = t.detach().reshape(-1)
-        drawn = torch.randint(0, 2 * size, (flat.numel(),), generator=generator, device=flat.device)
-        signed = torch.where(drawn % 2 == 0, flat.double(), -flat.double())
-        out.index_add_(0, drawn // 2, signed)
-    return out
+        for start in range(0, flat.numel(), SKETCH_CHUNK):
+            part = flat[start : start + SKETCH_CHUNK]
+            n = part.numel()
+            drawn[:n].random_(0, 2 * size, generator=generator)
+            values[:n].copy_(part)
+            slots.index_add_(0, drawn[:n], values[:n])
+    return slots[0::2] - slots[1::2]
 
 
 def _squared_norm(tensors: list[Tensor]) -> Tensor:

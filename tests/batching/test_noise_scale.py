@@ -141,6 +141,50 @@ def test_the_count_sketch_is_linear_and_its_squared_norm_unbiased():
     assert float(draws.std()) / exact <= math.sqrt(2 / 64) * 1.1
 
 
+def reference_count_sketch(tensors: list[torch.Tensor], size: int, generator: torch.Generator) -> torch.Tensor:
+    """The count sketch as first written: one int64 draw per value per call, ``2 * bucket + sign``."""
+    out = torch.zeros(size, dtype=torch.float64)
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        drawn = torch.randint(0, 2 * size, (flat.numel(),), generator=generator)
+        signed = torch.where(drawn % 2 == 0, flat.double(), -flat.double())
+        out.index_add_(0, drawn // 2, signed)
+    return out
+
+
+def test_the_count_sketch_hashes_as_it_always_did():
+    # integer values: every sum is exact in float64, so equal sketches mean the same bucket and sign
+    # for every value; the tensors span several of the sketch's chunks, and one is empty
+    g = torch.Generator().manual_seed(1)
+    tensors = [
+        torch.randint(-50, 50, (3, 400_001), generator=g).float(),
+        torch.zeros(0),
+        torch.randint(-50, 50, (7,), generator=g).double(),
+        torch.randint(-50, 50, (1_100_000,), generator=g).half(),
+    ]
+    for size, seed in ((256, 0), (1024, 12345)):
+        new = count_sketch(tensors, size, torch.Generator().manual_seed(seed))
+        old = reference_count_sketch(tensors, size, torch.Generator().manual_seed(seed))
+        assert torch.equal(new, old), (size, seed)
+    # real values: the same sums, added in another order (the rounding of float64 only)
+    real = [torch.randn(1000, 1200, generator=g), torch.randn(5, generator=g)]
+    new = count_sketch(real, 256, torch.Generator().manual_seed(3))
+    old = reference_count_sketch(real, 256, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(new, old, rtol=1e-12, atol=1e-12)
+
+
+def test_the_count_sketch_allocates_a_bounded_workspace_not_an_index_per_value():
+    # before: an int64 index per value (64 MiB for these 8M values), a float64 copy and a signed one
+    from torch.profiler import ProfilerActivity, profile
+
+    big = torch.randn(1 << 23)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        count_sketch([big, torch.randn(100)], 256, torch.Generator().manual_seed(0))
+    allocated = max(e.cpu_memory_usage for e in prof.events())
+    print(f"largest allocation of one sketch op: {allocated / 2**20:.1f} MiB for {big.numel() / 2**20:.0f}M values")
+    assert allocated <= 16 * 2**20
+
+
 @pytest.mark.parametrize(
     ("kwargs", "setting"),
     [
