@@ -369,8 +369,13 @@ class ParameterServerStrategy(CommStrategy):
             raise ValueError(
                 "parameter_server sends its messages over torch.distributed.rpc; use backend 'gloo' or 'nccl'"
             )
-        if kwargs.get("group_size") is not None:
-            raise ValueError("parameter_server has no group exchange: group_size does not apply")
+        # with shard= the base's refusal names it; a slow hop alone would be told to add group_size first
+        hop = kwargs.get("group_size") is not None or kwargs.get("slow_hop_bits", 32) != 32
+        if hop and kwargs.get("shard") is None:
+            raise ValueError(
+                "parameter_server has no group exchange: group_size does not apply, nor slow_hop_bits (got"
+                f" group_size={kwargs.get('group_size')!r}, slow_hop_bits={kwargs.get('slow_hop_bits', 32)!r})"
+            )
         super().__init__(**kwargs)
         self.mode = mode
         # async workers never wait for each other: a worker that gets SIGTERM stops at its next batch
