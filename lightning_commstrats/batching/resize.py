@@ -42,10 +42,11 @@ epoch's first batch, except in the first epoch with workers (Lightning starts th
 The data: every rank walks its own order of the epoch (its sampler's), cut into consecutive
 batches of whatever size is current when each is drawn, so each sample of the epoch is used once,
 whatever the changes. An epoch whose batches grow has fewer batches (its last one is shorter, or
-dropped with ``drop_last=True``, as any epoch); ``trainer.num_training_batches`` is kept right, a
-progress bar's total is not redrawn. The size carries over to the next epochs. Periods counted in
-samples (``sync_period_unit="samples"``, ``distributed_after``) keep their meaning; periods in
-optimizer steps hold more samples once the batch grows.
+dropped with ``drop_last=True``, as any epoch); ``trainer.num_training_batches`` is kept right, and
+so is the total of Lightning's tqdm progress bar (another bar's total is not redrawn). The size
+carries over to the next epochs. Periods counted in samples (``sync_period_unit="samples"``,
+``distributed_after``) keep their meaning; periods in optimizer steps hold more samples once the
+batch grows.
 
 Not supported (a clear error from :func:`make_resizable`): several training DataLoaders, an
 ``IterableDataset``, a DataLoader without a plain ``BatchSampler`` (``batch_size=None``, a custom
@@ -65,6 +66,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
@@ -311,6 +314,17 @@ def refresh_lengths(trainer: pl.Trainer) -> None:
         and trainer.val_check_batch is not None
     ):
         trainer.val_check_batch = max(1, int(n * interval))
+    _redraw_bar_total(trainer)
+
+
+def _redraw_bar_total(trainer: pl.Trainer) -> None:
+    """Lightning's tqdm bar takes the epoch's count of batches when the epoch starts; after a change
+    its total (and so its time left) follows the new count, as Lightning would count it."""
+    bar = trainer.progress_bar_callback
+    if not isinstance(bar, TQDMProgressBar) or not bar.is_enabled or bar._train_progress_bar is None:
+        return
+    bar._train_progress_bar.total = convert_inf(bar.total_train_batches)
+    bar._train_progress_bar.refresh()
 
 
 def current_batch_size(trainer: pl.Trainer) -> int:

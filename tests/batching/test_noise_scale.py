@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import csv
 import itertools
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.strategies import DDPStrategy
 from torch.func import functional_call, grad, vmap
 
@@ -317,3 +322,27 @@ def test_nothing_is_logged_while_the_noise_scale_is_not_defined():
     assert set(module.logged[2]) == {"train/noise_scale", "train/gradient_sq", "train/gradient_trace"}
     assert module.logged[2]["train/noise_scale"] == pytest.approx(noise.estimator.noise_scale)
     assert math.isfinite(module.logged[2]["train/noise_scale"])
+
+
+def test_the_noise_scale_recipe_logs_its_metrics_to_a_csv(capsys):
+    from lightning_commstrats.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "lstm_noise_scale", "--print_config"])
+    assert exit_info.value.code == 0
+    logger = yaml.safe_load(capsys.readouterr().out)["trainer"]["logger"]
+    assert logger["class_path"] == "lightning.pytorch.loggers.CSVLogger", logger
+
+
+@pytest.mark.slow
+def test_the_noise_scale_recipe_writes_the_noise_scale_and_the_batch_size(tmp_path):
+    # the recipe's 2 ranks from the console command, shrunk: the CSV holds both every logged step
+    command = [str(Path(sys.executable).with_name("commstrats-lm")), "fit", "--config", "lstm_noise_scale"]
+    small = ["--model.embed_dim=16", "--model.hidden_dim=16", "--data.max_vocab_size=500"]
+    steps = ["--trainer.max_steps=6", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0"]
+    subprocess.run([*command, *small, *steps, "--trainer.enable_progress_bar=false"], cwd=tmp_path, check=True)
+    (metrics,) = tmp_path.glob("lightning_logs/lstm_noise_scale/version_*/metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    assert all(float(r["train/batch_size"]) == 8 for r in rows)
+    assert sum(bool(r["train/noise_scale"]) for r in rows) >= 3  # defined once |G|^2's average is positive

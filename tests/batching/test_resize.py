@@ -195,3 +195,27 @@ def test_upcoming_follows_set_epoch_until_the_first_batch_is_drawn():
     assert [i for b in it for i in b] == expected
     inner.set_epoch(6)
     assert sampler.upcoming(8) == list(inner)  # between epochs: the next epoch's
+
+
+def test_the_progress_bar_total_follows_a_change_of_size():
+    class BarTotals(L.Callback):
+        def __init__(self) -> None:
+            self.totals: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.totals.append(trainer.progress_bar_callback.train_progress_bar.total)
+
+    model = Recorder(n=30, batch_size=4)
+    totals = BarTotals()
+    # 30 samples: 8 batches of 4; grown to 7 after the second, 6 batches (4, 4, 7, 7, 7, 1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        callbacks=[Resize({(0, 1): 7}), totals],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    assert totals.totals == [8, 6, 6, 6, 6, 6]
