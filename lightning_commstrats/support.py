@@ -22,6 +22,7 @@ A combination is one of:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -269,7 +270,12 @@ def all_pairs() -> list[Pair]:
 
 def allowed_pairs() -> list[Pair]:
     """The pairs that some combination neither refused nor not applicable holds."""
-    return [p for p in all_pairs() if _allowed({p[0]: p[1], p[2]: p[3]})]
+    return list(_allowed_pairs())
+
+
+@functools.cache
+def _allowed_pairs() -> tuple[Pair, ...]:
+    return tuple(p for p in all_pairs() if _allowed({p[0]: p[1], p[2]: p[3]}))
 
 
 def _pairs_of(case: Mapping[str, str]) -> Iterator[Pair]:
@@ -286,6 +292,11 @@ def covering_cases() -> list[Case]:
     first pair no case holds yet, then fills the other axes in order, each with the value that holds
     the most uncovered pairs with the values chosen so far (the first such value on a tie) and
     leaves the case completable."""
+    return [dict(c) for c in _covering_cases()]
+
+
+@functools.cache
+def _covering_cases() -> tuple[Case, ...]:
     elsewhere = [when for when, _ in ELSEWHERE.values()]
 
     def away(pair: Pair) -> bool:  # a pair of a combination that runs in a test of its own
@@ -318,7 +329,7 @@ def covering_cases() -> list[Case]:
         case = {axis: case[axis] for axis in AXES}
         uncovered.difference_update(_pairs_of(case))
         cases.append(case)
-    return cases
+    return tuple(cases)
 
 
 def pair_coverage(cases: Iterable[Mapping[str, str]]) -> tuple[int, int]:
@@ -429,11 +440,10 @@ def case_id(case: Mapping[str, str]) -> str:
 
 
 def _pair_status(a: str, va: str, b: str, vb: str) -> str:
-    """How the pair stands: every combination holding it refused (R) or not applicable (n/a), or
-    some of them refused (the rest supported: R* with the rule), or supported (ok)."""
+    """``ok``: some supported combination holds the pair; ``R``: every combination holding it is
+    refused; ``n/a``: not applicable."""
     if _allowed({a: va, b: vb}):
-        partial = [r for r in RULES if r.status == "refused" and r.could_match({a: va, b: vb})]
-        return "ok" if not partial else "ok*"
+        return "ok"
     direct = [r for r in RULES if r.matches({a: va, b: vb})]
     if direct and all(r.status == "not applicable" for r in direct):
         return "n/a"
@@ -485,8 +495,8 @@ def render_markdown() -> str:
         "",
         "## Each scheme against each other setting",
         "",
-        "`ok`: supported; `ok*`: supported, but some combinations of it with a third setting are refused"
-        " (above); `R`: refused; `n/a`: not applicable.",
+        "`ok`: supported (with the other settings at values that the rules above allow); `R`: refused;"
+        " `n/a`: not applicable.",
         "",
     ]
     others = [a for a in AXES if a != "scheme"]
