@@ -137,3 +137,27 @@ def test_residuals_wait_in_pinned_host_memory_on_cuda():
     assert kept.device.type == "cpu" and kept.is_pinned()
     back = visit(kept, t.device)
     assert back.is_cuda and torch.equal(back, t)
+
+
+def test_a_sharded_checkpoint_refuses_a_remote_url_and_storage_options_before_writing(tmp_path):
+    from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
+
+    untouched = object()  # no strategy attribute is read before the refusal
+    with pytest.raises(ValueError, match="not to a remote URL: got 's3://bucket/ckpt'"):
+        sharded_checkpoint.save_strategy(untouched, {}, "s3://bucket/ckpt")
+    with pytest.raises(ValueError, match=r"do not take storage_options \(got \{'region': 'x'\}\)"):
+        sharded_checkpoint.save_strategy(untouched, {}, str(tmp_path / "ckpt"), {"region": "x"})
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_sharded_checkpoint_that_some_rank_cannot_see_raises_naming_it(tmp_path):
+    from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
+
+    class TwoRanks:  # rank 1's node has no such directory: its all-gathered flag is 0
+        def all_gather(self, t, tag):
+            return torch.stack([t, torch.zeros_like(t)])
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / sharded_checkpoint.META).write_bytes(b"")
+    with pytest.raises(RuntimeError, match=r"not visible on ranks \[1\]: shard='fsdp' checkpoints need a directory"):
+        sharded_checkpoint.check_visible(str(tmp_path / "ckpt"), TwoRanks())

@@ -314,9 +314,42 @@ def global_state_dict(state: dict[str, Any], module: nn.Module, global_shards: d
     return out
 
 
-def save_strategy(strategy: Any, checkpoint: dict[str, Any], path: str) -> None:
+def check_destination(path: str, storage_options: Any | None) -> None:
+    """A sharded checkpoint is a directory on a filesystem every rank writes into and rank 0 then
+    completes and renames: refuse what it cannot honour, before any rank writes (every rank is given
+    the same arguments, so all raise together)."""
+    if storage_options is not None:
+        raise ValueError(
+            f"shard='fsdp' checkpoints do not take storage_options (got {storage_options!r}): they are written"
+            " through torch.distributed.checkpoint to a directory every rank shares"
+        )
+    if "://" in str(path):
+        raise ValueError(
+            f"shard='fsdp' checkpoints are written to a directory every rank shares (a shared or local"
+            f" filesystem path), not to a remote URL: got {path!r}. Save to a shared mount and copy it"
+        )
+
+
+def check_visible(path: str, comm: Any) -> None:
+    """Collective. Every rank must see the completed checkpoint directory; without a filesystem the
+    ranks share, rank 0's rename happened on its node only. Raises on every rank, naming those that
+    cannot see it."""
+    seen = torch.tensor([1 if os.path.exists(os.path.join(path, META)) else 0], dtype=torch.int32)
+    every = comm.all_gather(seen, tag="control").reshape(-1).tolist()
+    blind = [r for r, ok in enumerate(every) if not ok]
+    if blind:
+        raise RuntimeError(
+            f"the sharded checkpoint {path} is not visible on ranks {blind}: shard='fsdp' checkpoints need a"
+            " directory every rank shares (a shared filesystem); each rank writes its shards into it and rank 0"
+            " completes it"
+        )
+
+
+def save_strategy(strategy: Any, checkpoint: dict[str, Any], path: str, storage_options: Any | None = None) -> None:
     """Collective. A ``shard="fsdp"`` strategy's checkpoint (Trainer or Fabric): ``checkpoint`` and the
-    scheme's state (shared, and this rank's) into the directory ``path``."""
+    scheme's state (shared, and this rank's) into the directory ``path``, which every rank must share
+    (see :func:`check_destination`, :func:`check_visible`)."""
+    check_destination(path, storage_options)
     sharding = strategy.sharding
     strategy.wait_for_exchange()
     state = strategy.state_dict()
@@ -330,6 +363,7 @@ def save_strategy(strategy: Any, checkpoint: dict[str, Any], path: str) -> None:
         group_size=sharding.mesh.shape[1],
         fragments=periodic_fragments(strategy, state),
     )
+    check_visible(path, strategy.comm)
 
 
 def load_strategy(strategy: Any, path: str) -> dict[str, Any]:

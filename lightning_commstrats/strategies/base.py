@@ -58,10 +58,10 @@ from lightning_commstrats.comm import (
     import_mpi,
     resolve_backend,
 )
-from lightning_commstrats.compression.exchange import BucketedAllReduce
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
 from lightning_commstrats.sharding import Sharding, check_shard, local, memory_by_kind, tensors_in
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
+from lightning_commstrats.strategies.reducer import BUFFERS, GRADIENTS, Reducer
 from lightning_commstrats.strategies.stop import StopAgreement
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,6 @@ STATE_KEY = "lightning_commstrats"
 TWO_LEVEL_KEY = "two_level"  # in a rank's state: the residuals of a quantized slow hop
 _COUNTER_TYPES = (int, float, bool)  # the strategy's plain attributes a snapshot keeps (see take_snapshot)
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-# The routes of a fused reduction, fixed by what is reduced, not chosen per call site:
-GRADIENTS = "gradients"  # over the replicas, through the two-level or slow hop (which may quantize)
-STATE = "state"  # optimizer state over the replicas: exact, in the tensors' own float type
-BUFFERS = "buffers"  # module buffers over every rank (whole on each, sharded or not): exact, in fp32 or wider
-ROUTES = (GRADIENTS, STATE, BUFFERS)
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
@@ -248,8 +243,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.shard = shard
         self.group_size = group_size
         self.slow_hop_bits = slow_hop_bits
-        # made once the ranks are connected: two levels over groups, or the hop across them when sharded
-        self.two_level: TwoLevelAllReduce | SlowHop | None = None
+        # the fused reductions by route; connected with the ranks: gradients in two levels over groups,
+        # or across them when sharded
+        self.reducer = Reducer(bucket_cap_mb)
         self.verify_sync_every = verify_sync_every
         self.verify_sync_action = verify_sync_action
         self._backend = backend
@@ -257,8 +253,6 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.nonfinite = nonfinite
         self._nonfinite_names: list[str] = []  # set by an exchange of this step whose average was not finite
         self.bucket_cap_mb = bucket_cap_mb
-        self._fused: BucketedAllReduce | None = None  # the gradients' route
-        self._fused_exact: dict[str, BucketedAllReduce] = {}  # the exact routes (STATE, BUFFERS)
         self._param_names: dict[int, str] = {}
         self.samples_per_worker = 0
         self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
@@ -397,12 +391,17 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if self.sharding is not None and self.sharding.mesh is None:
             self.sharding.connect(self._comm, self.num_processes, self.root_device)
             assert self.sharding.cross is not None
-            self.two_level = SlowHop(self.sharding.cross, self.slow_hop_bits, hold=True)
+            self.reducer.connect(
+                self._comm, self.replica_comm, SlowHop(self.sharding.cross, self.slow_hop_bits, hold=True)
+            )
             if self.lightning_module is not None:  # for a configure_model that shards the model itself
                 self.lightning_module._device_mesh = self.sharding.mesh
-        elif self.group_size is not None and self.world_size > 1 and self.two_level is None:
-            size = self.num_processes if self.group_size == "node" else self.group_size
-            self.two_level = TwoLevelAllReduce(self._comm, size, self.slow_hop_bits, hold=True)
+        elif self.reducer.hop is None:
+            hop = None
+            if self.group_size is not None and self.world_size > 1:
+                size = self.num_processes if self.group_size == "node" else self.group_size
+                hop = TwoLevelAllReduce(self._comm, size, self.slow_hop_bits, hold=True)
+            self.reducer.connect(self._comm, self.replica_comm, hop)
         log.info(
             "%s: rank %d of %d over %r%s",
             type(self).__name__,
@@ -520,10 +519,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def scheme_tensors(self) -> list[Tensor]:
         """The tensors of the scheme's own state (residuals, global model, outer optimizer...), for
         :meth:`memory_stats`; the base holds the fused buckets and the slow hop's residuals."""
-        held: list[Any] = [self._fused, *self._fused_exact.values()]
-        if self.two_level is not None:
-            held.append(self.two_level.state_dict())
-        return tensors_in(held)
+        return tensors_in(self.reducer.held())
 
     def broadcast_module(self, module: Module, src: int = 0) -> None:
         """Overwrite every parameter and buffer of ``module`` with rank ``src``'s (tag ``"setup"``)."""
@@ -666,15 +662,20 @@ class CommStrategy(RankDevices, ParallelStrategy):
         shard beside it, ``<file>.rank<r>-of-<N>``, so no rank ever holds another rank's state and
         memory per rank stays that of one rank. The shards are written first and every rank waits
         for all of them before rank 0 writes the file that names them: a checkpoint file that
-        exists is complete. Without a shared filesystem each node keeps its ranks' shards."""
+        exists is complete. Without a shared filesystem each node keeps its ranks' shards.
+
+        With ``shard="fsdp"`` the checkpoint is a directory that every rank writes its shards into
+        (``torch.distributed.checkpoint``) and rank 0 completes: it needs a filesystem every rank
+        shares; a remote URL or ``storage_options`` is refused before anything is written, and a
+        directory that some rank cannot see after the save raises on every rank, naming them."""
         if self._comm is not None:
             self.sync_buffers()  # the file holds the ranks' agreed buffers, not rank 0's alone
             saved = checkpoint.get("state_dict", {})
             for name, b in self.lightning_module.named_buffers():
                 if name in saved:
                     saved[name] = b.detach().clone()
-            if self.sharding is not None:  # a directory through torch.distributed.checkpoint
-                sharded_checkpoint.save_strategy(self, checkpoint, str(filepath))
+            if self.sharding is not None:  # a directory through torch.distributed.checkpoint, every rank's
+                sharded_checkpoint.save_strategy(self, checkpoint, str(filepath), storage_options)
                 return
             checkpoint[STATE_KEY] = self.checkpoint_state(filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -881,9 +882,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
             self._nonfinite_names = []
             for observe in self.gradient_observers:
                 observe(optimizer)
-            hop = self.two_level
-            if hop is not None:
-                hop.discard()  # nothing held from a step that raised
+            self.reducer.discard()  # nothing held from a step that raised
             self.after_backward(optimizer)
             self._nonfinite_names = self.agree_on_names(self._nonfinite_names)
             if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
@@ -891,8 +890,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 for group in optimizer.param_groups:  # the optimizer steps over nothing
                     for p in group["params"]:
                         p.grad = None
-            if hop is not None:  # the slow hop's residuals move only with a step that runs, all or none
-                hop.commit() if runs else hop.discard()
+            # the slow hop's residuals move only with a step that runs, all or none
+            self.reducer.commit() if runs else self.reducer.discard()
         return runs
 
     def end_step(self, optimizer: Optimizer, runs: bool) -> None:
@@ -978,56 +977,29 @@ class CommStrategy(RankDevices, ParallelStrategy):
         exchange: Callable[[Tensor, list[int]], Tensor] | None = None,
     ) -> None:
         """Average ``tensors`` (named ``names``, one each) in place, fused into buckets of at most
-        ``bucket_cap_mb``, by the route their kind fixes:
-
-        - :data:`GRADIENTS`: over :attr:`replica_comm` (with ``shard="fsdp"`` the tensors are local
-          shards), through the two-level all-reduce or the slow hop where there is one, quantized
-          when ``slow_hop_bits < 32``: each bucket's residual is keyed by its tensors' names and kept
-          only once the step's vote says it runs. Averages that hold an inf or a NaN are reported
-          (:meth:`report_nonfinite`), for the ``nonfinite`` policy to raise or skip the step on
-          every rank; the check reads each bucket's average once (every rank holds the same, so
-          every rank decides the same) and synchronises with the host once per call.
-        - :data:`STATE`: optimizer state over :attr:`replica_comm`, exactly (a flat all-reduce).
-        - :data:`BUFFERS`: module buffers, whole on every rank, over every rank, exactly.
+        ``bucket_cap_mb``, by the route of their kind (:mod:`~lightning_commstrats.strategies.reducer`:
+        gradients over the replicas through the hop, whose residuals move only with a step that
+        runs; optimizer state exactly over the replicas; buffers exactly over every rank). Gradient
+        averages that hold an inf or a NaN are reported (:meth:`report_nonfinite`), for the
+        ``nonfinite`` policy to raise or skip the step on every rank.
 
         ``exchange(flat, indices)`` replaces the plain all-reduce of one gradient bucket (``indices``
         into ``tensors``); it must return the same tensor on every rank.
         """
-        if route not in ROUTES:
-            raise ValueError(f"route={route!r} is not one of {ROUTES}")
-        if exchange is not None and route != GRADIENTS:
-            raise ValueError(f"an exchange of its own is for gradients, not route={route!r}")
-        cap = int(self.bucket_cap_mb * 2**20)
-        if route == GRADIENTS:
-            if self._fused is None:
-                self._fused = BucketedAllReduce(self.replica_comm, cap, average=self.two_level)
-            fused = self._fused
-        else:
-            fused = self._fused_exact.get(route)
-            if fused is None:
-                fused = BucketedAllReduce(self.comm if route == BUFFERS else self.replica_comm, cap)
-                self._fused_exact[route] = fused
-        flags: list[Tensor] | None = [] if route == GRADIENTS else None
-        fused(tensors, tag=tag, names=names, exchange=exchange, finite_flags=flags)
-        if flags and not bool(torch.stack(flags).all()):
-            self.report_nonfinite([n for n, t in zip(names, tensors, strict=True) if not bool(torch.isfinite(t).all())])
-
-    def release_fused(self, tag: str) -> None:
-        """Drop the fused buffers kept for traffic ``tag`` on every route (traffic that has ended)."""
-        for fused in (self._fused, *self._fused_exact.values()):
-            if fused is not None:
-                fused.release(tag)
-
-    def fused_buffers_held(self, tag: str) -> bool:
-        """Whether fused buffers are kept for gradient traffic ``tag``."""
-        return self._fused is not None and self._fused.buffers(tag) is not None
+        bad = self.reducer.reduce(tensors, tag=tag, names=names, route=route, exchange=exchange)
+        if bad:
+            self.report_nonfinite(bad)
 
     def average_flat(self, flat: Tensor, tag: str, key: BucketKey) -> Tensor:
-        """The average over ranks of one flat gradient bucket named by ``key``: two levels with
-        ``group_size``, else one ring."""
-        if self.two_level is not None:
-            return self.two_level(flat, tag, key)
-        return self.comm.all_reduce(flat, "avg", tag=tag)
+        """The average over the replicas of one flat gradient bucket named by ``key``: two levels
+        with ``group_size``, else one ring."""
+        return self.reducer.average_flat(flat, tag, key)
+
+    @property
+    def two_level(self) -> TwoLevelAllReduce | SlowHop | None:
+        """The gradients' two-level all-reduce, or with ``shard="fsdp"`` the hop across groups (``None``:
+        one flat ring)."""
+        return self.reducer.hop
 
     def replicated_tensors(self) -> dict[str, Tensor]:
         """The tensors every rank of :attr:`replica_comm` must hold bit for bit (all parameters, or

@@ -12,8 +12,8 @@ from typing_extensions import override
 
 from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.allreduce import trainable_params
-from lightning_commstrats.strategies.base import STATE
 from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy, refuse_outer_arguments
+from lightning_commstrats.strategies.reducer import STATE
 
 WEIGHTINGS = ("uniform", "samples")  # how model averaging weighs the ranks' models
 
@@ -186,4 +186,4 @@ class ModelAveragingStrategy(PeriodicSyncStrategy):
                 self.all_reduce_fused(
                     [t for _, t in named], tag="optimizer_state", names=[n for n, _ in named], route=STATE
                 )
-        self.release_fused("optimizer_state")  # once per period and as large as the optimizer state: no standing copy
+        self.reducer.release("optimizer_state")  # once per period and as large as the optimizer state: no standing copy

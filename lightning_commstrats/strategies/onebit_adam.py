@@ -291,8 +291,8 @@ class OneBitAdamStrategy(AllReduceStrategy):
             super().after_backward(optimizer)  # fp32 gradients; the user's Adam steps
             return
         params = trainable_params(optimizer)
-        if self.fused_buffers_held("grad"):  # the warm-up buckets: unused now
-            self.release_fused("grad")
+        if self.reducer.holds("grad"):  # the warm-up buckets: unused now
+            self.reducer.release("grad")
         clip_like_the_trainer(self, params)
         self.adam.local_momentum(optimizer, params)
         if self.world_size > 1:

@@ -462,7 +462,7 @@ class PeriodicSyncStrategy(CommStrategy):
 
     def _start(self) -> None:
         self.started = True
-        self.release_fused("grad")  # the warm start's gradient exchange is over: free its buffers
+        self.reducer.release("grad")  # the warm start's gradient exchange is over: free its buffers
         self._stagger()
         self.outer = self._new_outer()
         self.outer.start([self.flat_weights(k) for k in range(self.num_fragments)])

@@ -507,8 +507,8 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
             if not self._nonfinite_names:
                 self.adam.variance_step(optimizer, params, names, t)
             return
-        if t > self.var_freeze_step and self.fused_buffers_held("grad"):
-            self.release_fused("grad")  # no fp32 round is left
+        if t > self.var_freeze_step and self.reducer.holds("grad"):
+            self.reducer.release("grad")  # no fp32 round is left
         clip_like_the_trainer(self, params)
         if not self.adam.prepare(optimizer, params, names, t):
             return  # a local step, taken
