@@ -74,9 +74,12 @@ class AutoAdjust(Callback):
        it is, at the learning rate the candidate would have under ``lr_scaling``; the average
        training loss over all ranks' samples is recorded. Then everything is put back as it was:
        parameters, buffers, gradients, every optimizer's state, the LR schedulers, the precision
-       plugin (loss scaler), the strategy's own state (``state_dict`` / ``rank_state_dict``:
-       1-bit residuals, the periodic schemes' global model, outer optimizer, schedule, counters),
-       its counters, the random number generators and the model's torchmetrics states. The
+       plugin (loss scaler), the strategy's own state (its
+       :meth:`~lightning_commstrats.CommStrategy.take_snapshot`: ``state_dict`` /
+       ``rank_state_dict``, 1-bit residuals, the periodic schemes' global model, outer optimizer,
+       schedule, counters; an exchange a trial left in flight is waited for before it is put back,
+       else its landing would overwrite the error feedback), the random number generators and the
+       model's torchmetrics states. The
        training data's position does not move: the trials read the samples from the dataset.
     3. The first candidate's loss is the base; the search goes on while a candidate's loss is
        within ``error_margin`` percent of it, and picks the last such candidate. Every rank sees
