@@ -14,7 +14,11 @@ group of its own across replicas, so that all ``S`` links of a replica carry the
   the replica afterwards. The bytes per link fall by ``S``.
 
 A healing rank receives its state from the same rank of a replica at the highest committed step
-(torchft chooses the source), so a sharded replica heals shard by shard.
+(torchft chooses the source), so a sharded replica heals shard by shard. torchft offsets each rank's
+source by the rank, so the ranks of one replica can heal from different replicas; where those hold
+different models (the case :meth:`~ReplicaGroup.reconcile` exists for), the replica holds a mix of
+them until the quorum's reconcile gives it one replica's state, rank by rank (a replica that holds
+a mix is never the model the others copy).
 
 A rank that dies takes its replica out of the run within seconds: the replica's other ranks watch
 its heartbeat (:class:`PeerWatch`), stop their Managers (rank 0's stops answering the Lighthouse)
@@ -28,6 +32,7 @@ and :meth:`~ReplicaGroup.leave`. What it needs of the strategy is :class:`Replic
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import threading
@@ -62,6 +67,7 @@ from lightning_commstrats.sharding.memory import tensors_in
 log = logging.getLogger(__name__)
 
 FINGERPRINT_CHUNK = 1 << 22  # values per pass of the global model's fingerprint (48 MiB of scratch)
+SOURCE_KEY = "healed_from"  # in the state a healing peer receives: the replica that sent it
 
 
 class ReplicaHost(Protocol):
@@ -176,6 +182,8 @@ class ReplicaGroup:
         self._watch: PeerWatch | None = None
         self._failure: str | None = None  # why this replica left the run (a rank of it stopped)
         self._layout: tuple[int, str] | None = None  # (checksum, description): see layout()
+        # the replica's ranks healed from different replicas and it has not agreed on one model since
+        self._mixed = False
 
     # ------------------------------------------------------------------ join and leave
 
@@ -292,7 +300,8 @@ class ReplicaGroup:
         event = self._shared_ready
         if event is not None:  # torchft reads the tensors on its own stream: after the main stream made them
             torch.cuda.current_stream().wait_event(event)
-        return self.shared
+        # the healing replica's ranks learn whether they all healed from the same replica
+        return {**self.shared, SOURCE_KEY: self.config.replica_id}
 
     def set_offer(self, state: dict[str, Any]) -> None:
         """The state a healing peer receives from now on (a snapshot nobody changes until the sync ends)."""
@@ -312,14 +321,27 @@ class ReplicaGroup:
         except Exception as err:  # no quorum within quorum_timeout, or the Manager is gone
             quorum, failure = None, err
         self.check_alive()
-        failures = self.relay.all_gather_object(None if failure is None else (type(failure).__name__, str(failure)))
-        first = next((f for f in failures if f is not None), None)
+        source = None if quorum is None or quorum.healed is None else quorum.healed.get(SOURCE_KEY, "")
+        said = self.relay.all_gather_object(
+            (None if failure is None else (type(failure).__name__, str(failure)), source)
+        )
+        first = next((f for f, _ in said if f is not None), None)
         if first is not None:
             self.check_alive()
             if first[0] == RunEnded.__name__:
                 raise RunEnded(first[1]) from failure
             raise TimeoutError(first[1]) from failure
         assert quorum is not None
+        sources = sorted({s for _, s in said if s is not None})
+        if len(sources) > 1:
+            # torchft offsets each rank's source by the rank: this replica now holds a mix of their models
+            # (harmless where they hold the same); the reconcile that follows gives it one replica's
+            self._mixed = True
+            log.warning(
+                "replica %r: its ranks healed from different replicas (%s); it takes one replica's state",
+                self.config.replica_id,
+                ", ".join(sources),
+            )
         return quorum
 
     def _commit(self, ok: bool, error: BaseException | None) -> bool:
@@ -409,6 +431,7 @@ class ReplicaGroup:
                 ok, err = False, e
             committed = self._commit(ok, err)
             if committed:
+                self._mixed = False
                 state = state or received
                 self._agree_received(state)
                 if state is not None:
@@ -491,6 +514,7 @@ class ReplicaGroup:
                 return False
             self._gather_slices(pending, host)
             pending.healed = received
+            self._mixed = False
             return True
 
         run_attempts(self.config.max_sync_attempts, attempt, f"the sync of fragment {pending.fragment}")
@@ -538,18 +562,26 @@ class ReplicaGroup:
         hold different models (two that each formed the run's first quorum alone, with
         ``min_replicas`` below the number of replicas; a sync that committed on some replicas and
         failed on others, which then committed a retry among themselves; the run's very first quorum,
-        every replica from its own initialisation). Every replica sends a fingerprint of its global
-        model (exact integer sums of its bits, the same on any hardware; summed over the replica's
-        ranks, so that every rank of it decides alike) and its count of committed batches; when they
-        differ, the state of the replica with the most committed batches (then the model most of
-        them hold, then the lowest rank) goes to the others, rank ``i`` to rank ``i``. Returns that
-        state when this rank must take it, else ``None``."""
+        every replica from its own initialisation). Every replica sends a digest of its ranks'
+        fingerprints of its global model (exact integer sums of its bits, the same on any hardware;
+        rank by rank, so that ranks holding each other's tensors do not cancel out), its count of
+        committed batches, and whether it is consistent: its ranks healed from one replica, and
+        its ranks that hold the same tensors hold the same values. When the digests differ, the
+        state of the consistent replica with the most committed batches (then the model most of them
+        hold, then the lowest rank) goes to the others, rank ``i`` to rank ``i``; every rank of a
+        replica sends the same, so all decide alike. Returns that state when this rank must take it,
+        else ``None``."""
         assert self.sync is not None and self.relay is not None
-        weights = host.global_tensors(received)
-        mine = fingerprint(weights).cpu()
-        replica = self.relay.all_reduce(mine.clone(), tag="control") if self.relay.world_size > 1 else mine
+        mine = fingerprint(host.global_tensors(received)).cpu()
+        agree = True  # the replica's ranks that hold the same tensors as this one hold the same values
+        if self.holders is not None and self.holders.world_size > 1:
+            agree = bool((self.holders.all_gather(mine.clone(), tag="control").cpu() == mine).all())
+        said = torch.cat([torch.tensor([self.sync.batches_committed, int(agree)]), mine])
+        ranks = self.relay.all_gather(said, tag="control").cpu() if self.relay.world_size > 1 else said[None]
+        consistent = not self._mixed and bool(ranks[:, 1].all())
         layout = 0 if self._layout is None else self._layout[0]
-        row = torch.cat([torch.tensor([self.relay.world_size, layout, self.sync.batches_committed]), replica])
+        replica = [self.relay.world_size, layout, int(ranks[:, 0].max()), int(consistent), *_digest(ranks[:, 2:])]
+        row = torch.tensor(replica, dtype=torch.int64)
         rows = quorum.comm.all_gather(row.to(quorum.comm.device), tag="control").cpu().tolist()
         sizes = sorted({int(r[0]) for r in rows})
         if len(sizes) > 1:
@@ -559,17 +591,26 @@ class ReplicaGroup:
             others = quorum.comm.all_gather_object(described, tag="control")
             theirs = ", ".join(sorted({d for d in others if d} - {described})) or described
             raise ReplicaMismatch(layout_mismatch_message(self.config.replica_id, described, theirs))
-        rows = [r[2:] for r in rows]
-        if all(r[1:] == rows[0][1:] for r in rows):
+        rows = [r[2:] for r in rows]  # committed batches, consistent, digest
+        if all(r[2:] == rows[0][2:] for r in rows):
             return None
-        holders = [sum(r[1:] == rows[i][1:] for r in rows) for i in range(len(rows))]
-        canonical = max(range(len(rows)), key=lambda i: (rows[i][0], holders[i], -i))
+        holders = [sum(r[2:] == rows[i][2:] for r in rows) for i in range(len(rows))]
+        # a replica whose ranks hold a mix of models is never the one copied (its lowest rank would win a tie)
+        candidates = [i for i, r in enumerate(rows) if r[1]]
+        if not candidates:
+            log.warning(
+                "replica %r: no replica of the quorum holds one model on all its ranks (the sources of a heal"
+                " left); the run goes on from the one chosen below",
+                self.config.replica_id,
+            )
+            candidates = list(range(len(rows)))
+        canonical = max(candidates, key=lambda i: (rows[i][0], holders[i], -i))
         me = quorum.comm.rank
         log.warning(
             "replica %r: the quorum's replicas hold %d different global models at step %d; taking replica"
-            " rank %d's (committed batches and fingerprints by rank: %s)",
+            " rank %d's (committed batches, consistent, digest by rank: %s)",
             self.config.replica_id,
-            len({tuple(r[1:]) for r in rows}),
+            len({tuple(r[2:]) for r in rows}),
             self.sync.step,
             canonical,
             rows,
@@ -578,7 +619,13 @@ class ReplicaGroup:
         # on the host: a pickled CUDA tensor would unpickle on its sender's device index
         offer = apply_to_collection(state, Tensor, lambda t: t.detach().cpu()) if me == canonical else None
         taken = quorum.comm.broadcast_object(offer, canonical, tag="weights")
-        return None if rows[me][1:] == rows[canonical][1:] else taken
+        return None if rows[me][2:] == rows[canonical][2:] else taken
+
+
+def _digest(fingerprints: Tensor) -> tuple[int, int]:
+    """Two int64 of a digest of the replica's fingerprints, rank by rank (order matters)."""
+    raw = hashlib.blake2b(fingerprints.contiguous().numpy().tobytes(), digest_size=16).digest()
+    return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)
 
 
 def _offsets(views: dict[str, Tensor], bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:

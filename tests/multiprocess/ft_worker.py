@@ -123,6 +123,8 @@ def main() -> None:
     config.update(spec.get("ft", {}))
     kwargs = dict(spec.get("scheme_kwargs", {}))
     strategy = SCHEMES[spec.get("scheme", "diloco")](fault_tolerance=config, **kwargs)
+    if spec.get("committed"):  # {"step": s, "batches_committed": n}: as a replica restored from a checkpoint
+        strategy.replicas.load_state_dict(spec["committed"])
 
     syncs: list[dict] = []
     quorums: list[int] = []

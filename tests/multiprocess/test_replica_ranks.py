@@ -286,3 +286,28 @@ def test_a_replica_of_the_same_size_and_another_layout_is_refused_at_join_naming
     assert "2 ranks, unsharded" in log and "2 ranks, shard='fsdp' in groups of 2" in log, log[-3000:]
     assert took < 45, took  # its own start-up (two ranks, FSDP2) and seconds more, not a collective's timeout
     assert a_alive  # the run's replica is left alone
+
+
+@pytest.mark.slow  # three replicas of two ranks: six processes start
+def test_every_rank_of_a_replica_healing_from_two_different_models_ends_with_the_same_one():
+    # b and c are at the same committed step (restored so) with different models and as many committed
+    # batches; a starts fresh and heals. torchft gives each rank of a healing replica its source offset
+    # by the rank: a's rank 0 heals from b, its rank 1 from c. a sorts first in the quorum: where the
+    # replicas compared one fingerprint summed over their ranks, the tie made a's mix the run's model.
+    committed = {"step": 5, "batches_committed": 10}
+    three = {"min_replicas": 3, "max_steps": 8}
+    with FTRun(min_replicas=3) as run:
+        run.start("a", spec(0, **three))
+        run.start("b", spec(1, **three, committed=committed))
+        run.start("c", spec(2, **three, committed=committed))
+        run.wait()
+        ranks = {r: {rid: load_rank(run, rid, r) for rid in "abc"} for r in (0, 1)}
+    assert ranks[0]["a"]["heals"] and ranks[1]["a"]["heals"]
+    started = {f"{rid}{r}": ranks[r][rid]["started"]["global_"][:8] for rid in "abc" for r in (0, 1)}
+    assert len(set(started.values())) == 1, f"the replicas' ranks started from different global models: {started}"
+    # one source kept its own model: the run's model is one replica's, not a mix of two
+    assert not ranks[0]["b"]["reconciled"] or not ranks[0]["c"]["reconciled"]
+    for r in (0, 1):
+        ranks_agree(ranks[r])
+    for rid in "abc":
+        assert ranks[0][rid]["global"] == ranks[1][rid]["global"], rid
