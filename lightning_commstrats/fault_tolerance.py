@@ -105,6 +105,13 @@ class FaultTolerance:
             waiting for the slowest live replica, which then misses it too, round after round.
             Keep it below the Lighthouse's ``--join-timeout-ms``.
         hostname: the name other replicas reach this one at (default: this machine's host name).
+        store_bind: the address the replica's rendezvous store (hosted by its rank 0; the replicas of
+            a quorum rendezvous their process group through one replica's) listens at. ``None``
+            (default): the address ``hostname`` resolves to, so the store is reachable exactly where
+            the replica says it is (on a machine whose host name maps to loopback, this machine
+            only); ``"0.0.0.0"`` (every IPv4 interface) or ``"::"`` (every interface) where that
+            address is not one of this machine's (a container behind a mapped port). torchft's own
+            Manager server and checkpoint server listen on every interface whatever this says.
         run_store: ``"host:port"`` of the run's store, where the replicas that finish the run say
             so, and a replica that starts after the run ended learns it at once and exits saying
             why (instead of waiting ``quorum_timeout`` for replicas that are gone).
@@ -122,6 +129,7 @@ class FaultTolerance:
     quorum_renew_interval: float = 2.0
     hostname: str | None = None
     run_store: str | None = None
+    store_bind: str | None = None
 
     def __post_init__(self) -> None:
         if self.lighthouse is None:
@@ -158,6 +166,11 @@ class FaultTolerance:
             host, _, port = str(self.run_store).rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"fault_tolerance.run_store={self.run_store!r} is not an address such as 'host:29511'")
+        if self.store_bind is not None:
+            try:
+                bind_host(str(self.store_bind))
+            except ValueError as err:
+                raise ValueError(f"fault_tolerance.store_bind={self.store_bind!r}: {err}") from None
         attempts = self.max_sync_attempts
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
             raise ValueError(f"fault_tolerance.max_sync_attempts must be an int >= 1, got {attempts!r}")
@@ -349,7 +362,10 @@ class ReplicaSync:
         if ended is not None:
             raise RunEnded(
                 f"replica {self.config.replica_id!r} has nothing to join: the run has ended ({ended}). Its final"
-                " model is what the replicas that finished it saved."
+                f" model is what the replicas that finished it saved. The Lighthouse at {self.config.lighthouse}"
+                " remembers the end for as long as it runs (in its run store): to start another run, or to train"
+                " this one further from their checkpoints, start a fresh Lighthouse (`commstrats-lighthouse`) and"
+                " the replicas against it"
             )
 
     def _receive(self, state: dict[str, Any]) -> None:  # torchft's load_state_dict callback: adopted later
@@ -663,7 +679,7 @@ def lighthouse_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_EVERY_INTERFACE = ("0.0.0.0", "::")
+EVERY_INTERFACE = ("0.0.0.0", "::")
 
 
 def bind_host(value: str) -> str:
@@ -723,7 +739,7 @@ def lighthouse_main(argv: list[str] | None = None) -> int:
     # The socket is kept open for as long as the store serves on it.
     listener = listen_socket(host, args.store_port if args.store_port is not None else port + 1)
     store = TCPStore(
-        "127.0.0.1" if host in _EVERY_INTERFACE else host,  # where this process reaches its own store
+        "127.0.0.1" if host in EVERY_INTERFACE else host,  # where this process reaches its own store
         listener.getsockname()[1],
         is_master=True,
         wait_for_workers=False,
@@ -731,7 +747,7 @@ def lighthouse_main(argv: list[str] | None = None) -> int:
     )
     store.set(RunStore.JOIN_TIMEOUT_KEY, str(args.join_timeout_ms))  # the replicas pace their renewals by it
     # torchft prints this machine's name, which replicas elsewhere may reach on the wrong interface
-    address = server.address() if host in _EVERY_INTERFACE else f"http://{_with_port(host, port)}"
+    address = server.address() if host in EVERY_INTERFACE else f"http://{_with_port(host, port)}"
     if threading.current_thread() is threading.main_thread():  # Python handles signals there only
         # SIGTERM (`kill PID`, a scheduler ending the job) stops it as Ctrl-C does; set before the
         # address is printed, which is when anyone can know whom to signal

@@ -53,12 +53,15 @@ from lightning_commstrats.comm.stats import CommStats
 from lightning_commstrats.comm.torch_dist import LivenessWatch
 from lightning_commstrats.compression.exchange import TensorExchange
 from lightning_commstrats.fault_tolerance import (
+    EVERY_INTERFACE,
     FaultTolerance,
     Quorum,
     ReplicaMismatch,
     ReplicaSync,
     RunEnded,
+    bind_host,
     layout_mismatch_message,
+    listen_socket,
     mismatch_message,
     run_attempts,
 )
@@ -129,6 +132,38 @@ class PeerWatch:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def replica_store(config: FaultTolerance) -> tuple[TCPStore, tuple[str, int]]:
+    """The replica's rendezvous store (its rank 0 hosts it), listening at ``config.store_bind`` (by
+    default the address the replica advertises), and the address its ranks and the quorum's replicas
+    reach it at."""
+    advertised = config.hostname or socket.gethostname()
+    # TCPStore listens on every interface unless it is handed a socket: the Lighthouse listens on
+    # loopback by default because whoever reaches it joins the run, and whoever reaches this store
+    # can rendezvous into the replicas' process groups
+    bind = bind_host(config.store_bind) if config.store_bind is not None else advertised
+    try:
+        listener = listen_socket(bind, 0)
+    except OSError as err:
+        raise OSError(
+            f"the replica's store cannot listen at {bind!r} ({err}): set fault_tolerance.store_bind to an address"
+            " of this machine that the other replicas reach (0.0.0.0 for every IPv4 interface, :: for every one)"
+        ) from err
+    try:
+        store = TCPStore(
+            "127.0.0.1" if bind in EVERY_INTERFACE else bind,  # where this process reaches its own store
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=config.timeout),
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now (and closes it when it is deleted)
+    return store, (advertised, store.port)
 
 
 def slice_bounds(sizes: list[int], parts: int) -> list[tuple[int, int]]:
@@ -213,10 +248,7 @@ class ReplicaGroup:
         failure, sync, address = None, None, None
         if comm.rank == 0:  # the replica's own rendezvous store for torchft (its Manager server's address...)
             try:
-                self._store = TCPStore(
-                    "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.config.timeout)
-                )
-                address = (self.config.hostname or socket.gethostname(), self._store.port)
+                self._store, address = replica_store(self.config)
             except (OSError, RuntimeError) as err:
                 failure = f"{type(err).__name__}: {err}"
         address, failure = comm.broadcast_object((address, failure), 0)

@@ -325,3 +325,69 @@ def test_the_waits_for_a_quorum_and_a_commit_are_the_loops_waiting_or_background
     worker.join()
     assert stats.comm_seconds == before
     assert 0.5 <= stats.background_seconds < 2.0, stats.background_seconds
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the TCP sockets listening at ``port`` (Linux's /proc/net/tcp, tcp6)."""
+    import ipaddress
+
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hexport = local.partition(":")
+            if state != "0A" or int(hexport, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # the kernel writes each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [({"hostname": "127.0.0.1"}, {"127.0.0.1"}), ({"hostname": "127.0.0.1", "store_bind": "0.0.0.0"}, {"0.0.0.0"})],
+    ids=["advertised", "every-interface"],
+)
+def test_the_replicas_store_listens_at_the_address_it_advertises(settings, expected):
+    # the Lighthouse listens on loopback by default because whoever reaches it joins the run; the
+    # replica's store (which the quorum's replicas rendezvous through) listened on every interface
+    from lightning_commstrats.replicas import replica_store
+
+    store, address = replica_store(FaultTolerance(**FT, **settings))
+    port = store.port
+    assert address == ("127.0.0.1", port)
+    assert listening_addresses(port) == expected
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    assert not listening_addresses(port)  # the store closes the socket it was handed
+
+
+def test_a_store_bind_that_is_not_an_address_is_refused():
+    with pytest.raises(ValueError, match=r"fault_tolerance\.store_bind='host:1': give the address without a port"):
+        FaultTolerance(**FT, store_bind="host:1")
+
+
+def test_a_replica_joining_an_ended_run_is_told_that_a_fresh_lighthouse_starts_another():
+    # the run store lives as long as the Lighthouse: a run restarted (or extended past its end, from
+    # its checkpoints) against the same Lighthouse is refused until a fresh one is started
+    from lightning_commstrats.fault_tolerance import ReplicaSync, RunEnded
+
+    class Ended:
+        def ended(self) -> str:
+            return "replica 'a' finished it at optimizer step 16"
+
+    sync = ReplicaSync.__new__(ReplicaSync)
+    sync.config, sync.run_store = FaultTolerance(**FT), Ended()
+    with pytest.raises(RunEnded) as info:
+        sync.check_ended()
+    message = str(info.value)
+    assert "the run has ended (replica 'a' finished it at optimizer step 16)" in message
+    assert "start a fresh Lighthouse" in message and "from their checkpoints" in message, message
