@@ -61,6 +61,7 @@ from lightning_commstrats.comm import (
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
 from lightning_commstrats.sharding import Sharding, check_shard, local, memory_by_kind, tensors_in
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
+from lightning_commstrats.strategies.params import ParamSet
 from lightning_commstrats.strategies.reducer import BUFFERS, GRADIENTS, Reducer
 from lightning_commstrats.strategies.stop import StopAgreement
 
@@ -253,7 +254,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.nonfinite = nonfinite
         self._nonfinite_names: list[str] = []  # set by an exchange of this step whose average was not finite
         self.bucket_cap_mb = bucket_cap_mb
-        self._param_names: dict[int, str] = {}
+        self._param_set: ParamSet | None = None  # built when the model is final (setup_scheme)
         self.samples_per_worker = 0
         self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
         self.optimizer_steps = 0
@@ -443,7 +444,26 @@ class CommStrategy(RankDevices, ParallelStrategy):
         """The model is on its device with rank 0's weights: build the scheme's own structures (both
         front ends, the Trainer and Fabric, call it once per run). The base routes the model's
         torchmetrics metrics through the communicator."""
+        self.refresh_params()
         self.route_metrics()
+
+    @property
+    def param_set(self) -> ParamSet:
+        """The LightningModule's parameters by name, with what each is on this rank (whole, a shard, an
+        expert): see :class:`~lightning_commstrats.strategies.params.ParamSet`."""
+        if self._param_set is None or self._param_set.module is not self.lightning_module:
+            self.refresh_params()
+        assert self._param_set is not None
+        return self._param_set
+
+    def refresh_params(self) -> None:
+        """Build :attr:`param_set` from the model as it is now (called once the model is final)."""
+        assert self.lightning_module is not None
+        self._param_set = ParamSet(self.lightning_module, expert=self.is_expert_param)
+
+    def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
+        """Whether ``p`` is an expert this rank owns (expert parallelism); none by default."""
+        return False
 
     def route_metrics(self) -> None:
         """Make the model's torchmetrics metrics synchronise through this strategy's communicator
@@ -1004,8 +1024,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def replicated_tensors(self) -> dict[str, Tensor]:
         """The tensors every rank of :attr:`replica_comm` must hold bit for bit (all parameters, or
         their local shards, for a gradient scheme)."""
-        assert self.lightning_module is not None
-        return {n: local(p).detach() for n, p in self.lightning_module.named_parameters()}
+        return {n: t.detach() for n, t in self.param_set.local_tensors().items()}
 
     def verify_replicas(self) -> list[str]:
         """Check that the replicas agree: two float64 moments of every replicated tensor, gathered
@@ -1039,11 +1058,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
         """Let a background exchange in flight complete (the periodic schemes have one)."""
 
     def param_name(self, p: Tensor) -> str:
-        """The LightningModule's name of parameter ``p`` (the key of per-parameter state)."""
-        if not self._param_names:
-            assert self.lightning_module is not None
-            self._param_names = {id(q): n for n, q in self.lightning_module.named_parameters()}
-        name = self._param_names.get(id(p))
+        """The LightningModule's name of parameter ``p`` (the key of per-parameter state). A parameter
+        the set does not hold makes it read the module again once (its parameters were replaced)."""
+        name = self.param_set.name_of(p)
+        if name is None:
+            self.refresh_params()
+            name = self.param_set.name_of(p)
         if name is None:
             raise ValueError(f"{type(self).__name__} keeps state only for parameters of the LightningModule")
         return name

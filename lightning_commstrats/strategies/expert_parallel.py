@@ -155,6 +155,10 @@ class ExpertParallelStrategy(AllReduceStrategy):
         return [p for layer in self.moe_layers() for p in layer.experts.parameters()]
 
     @override
+    def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
+        return any(p is q for layer in self.moe_layers() for q in layer.experts.parameters())
+
+    @override
     def configure_model_parallel(self) -> None:
         layers = self.moe_layers()
         if not layers:

@@ -418,8 +418,8 @@ class PeriodicSyncStrategy(CommStrategy):
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        assert self.lightning_module is not None
-        return list(self.lightning_module.parameters())
+        """Every parameter in the model's order (tied ones once): the vectors' layout."""
+        return self.param_set.params
 
     def fragment_params(self, fragment: int) -> list[torch.nn.Parameter]:
         i0, i1 = self._bounds[fragment]
@@ -888,20 +888,14 @@ class PeriodicSyncStrategy(CommStrategy):
     # ------------------------------------------------------------------ validation on the global model
 
     def reshard(self) -> None:
-        """Put every FSDP2 module of a sharded model back on its shards (FSDP2's ``FSDPModule.reshard``).
+        """Put every FSDP2 module of a sharded model back on its shards (:meth:`ParamSet.reshard`).
 
         A forward without backward (validation) leaves a module that does not reshard after forward
         (``shard_policy.reshard_after_forward=False``, and the root under FSDP2's default) with its
         gathered parameters registered in place of the shards; the shards are what this strategy
         reads and writes, and what the next forward gathers again."""
-        module = self.lightning_module
-        if self.sharding is None or module is None:
-            return
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in module.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        if self.sharding is not None and self.lightning_module is not None:
+            self.param_set.reshard()
 
     @override
     def on_validation_start(self) -> None:
