@@ -1,0 +1,69 @@
+"""ParamSet: the parameters by name with their kind, tied parameters once, lookups by the object, and
+local tensors that are always the shards (resharded after a forward that left them gathered)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import free_port
+from torch import nn
+
+from lightning_commstrats.sharding import ShardPolicy, apply_fsdp, local
+from lightning_commstrats.strategies.params import EXPERT, SHARD, WHOLE, ParamSet
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight  # tied: one parameter, two names
+
+
+def test_names_kinds_and_tied_parameters():
+    model = Tied()
+    params = ParamSet(model, expert=lambda name, p: name.startswith("experts."))
+    assert params.names == ["embed.weight", "experts.0.weight", "experts.0.bias", "experts.1.weight", "experts.1.bias"]
+    assert params.kinds["embed.weight"] == WHOLE and params.kinds["experts.1.bias"] == EXPERT
+    assert params.name_of(model.out.weight) == "embed.weight"  # the tied one under its first name
+    assert params.name_of(model.embed.weight.detach()) is None  # an equal tensor is not the parameter
+    assert params["experts.0.weight"] is model.experts[0].weight and len(params) == 5
+    assert not params.sharded
+    assert set(params.local_tensors((EXPERT,))) == {
+        "experts.0.weight",
+        "experts.0.bias",
+        "experts.1.weight",
+        "experts.1.bias",
+    }
+
+
+@pytest.fixture
+def mesh(monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():  # a one-rank group another test left for the process
+        assert dist.get_world_size() == 1
+        yield init_device_mesh("cpu", (1,))
+        return
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_tensors_are_the_shards_even_after_a_forward_left_them_gathered(mesh):
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    apply_fsdp(net, mesh, ShardPolicy(units=[nn.Linear], reshard_after_forward=False))
+    params = ParamSet(net)
+    assert set(params.kinds.values()) == {SHARD} and params.sharded
+    shards = {n: local(params[n]) for n in params}
+    with torch.no_grad():
+        net(torch.randn(2, 8))  # no backward: FSDP2 leaves every module gathered
+    gathered = [n for n, p in net.named_parameters() if not hasattr(p, "device_mesh")]
+    assert gathered, "the forward left plain (gathered) tensors registered"
+    mine = params.local_tensors()
+    for name, shard in shards.items():
+        assert mine[name].data_ptr() == shard.data_ptr(), name  # the shard itself, not a gathered copy
