@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 TORCHFT_AVAILABLE = RequirementCache("torchft")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 QUORUM_TAG = "quorum"  # the statistics' tag of the waits for a quorum and a commit (no bytes)
+PEER_TIMEOUT_MIN = 2.0  # seconds: four of the replica's heartbeats (every 0.5 s)
 INSTALL_HINT = 'fault tolerance needs torchft: pip install "lightning-commstrats[ft]"'
 
 
@@ -105,6 +106,12 @@ class FaultTolerance:
             waiting for the slowest live replica, which then misses it too, round after round.
             Keep it below the Lighthouse's ``--join-timeout-ms``.
         hostname: the name other replicas reach this one at (default: this machine's host name).
+        peer_timeout: seconds a rank of this replica may go without a heartbeat before its other
+            ranks take it for stopped and the replica leaves the run (to be restarted as a whole).
+            The beats come from a Python thread every 0.5 s: a rank whose process holds the GIL
+            longer than this (a long call into an extension that does not release it) counts as
+            stopped. A dead rank is mostly seen sooner (its peers' collectives with it fail, or its
+            rendezvous store is gone); this bounds the case where nothing else tells.
         store_bind: the address the replica's rendezvous store (hosted by its rank 0; the replicas of
             a quorum rendezvous their process group through one replica's) listens at. ``None``
             (default): the address ``hostname`` resolves to, so the store is reachable exactly where
@@ -130,6 +137,7 @@ class FaultTolerance:
     hostname: str | None = None
     run_store: str | None = None
     store_bind: str | None = None
+    peer_timeout: float = 15.0
 
     def __post_init__(self) -> None:
         if self.lighthouse is None:
@@ -152,10 +160,15 @@ class FaultTolerance:
             )
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"fault_tolerance.min_replicas must be an int >= 1, got {self.min_replicas!r}")
-        for name in ("quorum_timeout", "timeout", "connect_timeout", "quorum_renew_interval"):
+        for name in ("quorum_timeout", "timeout", "connect_timeout", "quorum_renew_interval", "peer_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"fault_tolerance.{name} must be a number of seconds > 0, got {value!r}")
+        if self.peer_timeout < PEER_TIMEOUT_MIN:
+            raise ValueError(
+                f"fault_tolerance.peer_timeout must be >= {PEER_TIMEOUT_MIN} s (a few of the ranks' 0.5 s heartbeats),"
+                f" got {self.peer_timeout!r}"
+            )
         if self.timeout >= self.quorum_timeout:
             # a quorum that gave up before a slow collective on the others could end would split the run
             raise ValueError(

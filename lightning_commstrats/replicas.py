@@ -277,7 +277,7 @@ class ReplicaGroup:
             sync.manager.load_state_dict(self._restored)
         heartbeat = getattr(comm, "heartbeat", None)
         if comm.world_size > 1 and heartbeat is not None:
-            self._watch = PeerWatch(heartbeat, self._peer_stopped)
+            self._watch = PeerWatch(heartbeat, self._peer_stopped, after=self.config.peer_timeout)
 
     def _peer_stopped(self, what: str) -> None:
         """The watch's thread: a rank of this replica stopped. The replica leaves the run now (rank 0's

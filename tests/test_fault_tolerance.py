@@ -24,7 +24,7 @@ from lightning_commstrats import (
     PeriodicSyncStrategy,
     StreamingDiLoCoStrategy,
 )
-from lightning_commstrats.comm import MPI4PY_AVAILABLE
+from lightning_commstrats.comm import MPI4PY_AVAILABLE, CollectiveError
 from lightning_commstrats.fault_tolerance import LIGHTHOUSE_ENV, lighthouse_main
 
 LH = "http://127.0.0.1:29510"
@@ -391,3 +391,58 @@ def test_a_replica_joining_an_ended_run_is_told_that_a_fresh_lighthouse_starts_a
     message = str(info.value)
     assert "the run has ended (replica 'a' finished it at optimizer step 16)" in message
     assert "start a fresh Lighthouse" in message and "from their checkpoints" in message, message
+
+
+def test_a_rank_whose_process_holds_the_gil_for_seconds_does_not_take_its_replica_out(monkeypatch):
+    # The replica's ranks beat a counter from a Python thread; a rank whose process holds the GIL
+    # (a long call into an extension) beats nothing meanwhile. Its replica left the run after 4 s.
+    from lightning_commstrats import replicas as rp
+    from lightning_commstrats.comm.stats import CommStats
+
+    class Beats:  # rank 1's counter stands still while `frozen`
+        interval, rank, world_size, frozen, n = 0.05, 0, 2, False, 0
+
+        def counts(self):
+            self.n += 1
+            return [self.n, 7 if self.frozen else self.n]
+
+    class Comm:
+        rank, world_size, heartbeat = 0, 2, Beats()
+
+        def broadcast_object(self, obj, src):
+            return obj
+
+        def all_gather_object(self, obj):
+            return [obj, None]
+
+    class Sync:
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(rp, "replica_store", lambda config: (None, ("127.0.0.1", 1)))
+    monkeypatch.setattr(rp, "ReplicaSync", lambda *args, **kwargs: Sync())
+    comm = Comm()
+    group = rp.ReplicaGroup(FaultTolerance(**FT))
+    group.join(comm, comm, comm, torch.device("cpu"), CommStats(), host=True)
+    try:
+        comm.heartbeat.frozen = True
+        time.sleep(5.0)
+        comm.heartbeat.frozen = False
+        group.check_alive()  # raised 'rank(s) [1] of the replica stopped' after 4 s
+    finally:
+        group.leave()
+    # the setting says how long: a rank silent for longer is taken for stopped
+    quick = rp.ReplicaGroup(FaultTolerance(**FT, peer_timeout=2.0))
+    comm.heartbeat.frozen = True
+    quick.join(comm, comm, comm, torch.device("cpu"), CommStats(), host=True)
+    try:
+        time.sleep(3.0)
+        with pytest.raises(CollectiveError, match=r"rank\(s\) \[1\] of the replica stopped"):
+            quick.check_alive()
+    finally:
+        quick.leave()
+
+
+def test_a_peer_timeout_below_a_few_heartbeats_is_refused():
+    with pytest.raises(ValueError, match=r"fault_tolerance\.peer_timeout must be >= 2\.0 s"):
+        FaultTolerance(**FT, peer_timeout=0.5)
