@@ -9,8 +9,10 @@ as after a module's parameters were replaced), so a name is one dictionary looku
 FSDP2 registers the gathered, unsharded tensors in place of the shards between a forward and its
 backward, and keeps them after a forward without backward (validation) for a module that does not
 reshard after forward (the root under FSDP2's default, every module with
-``reshard_after_forward=False``). :meth:`ParamSet.local_tensors` reshards first, so what it returns is
-always the shards the optimizer steps on and the strategy exchanges. No Lightning here.
+``reshard_after_forward=False``). The set holds the shards' own parameter objects, so what it reads
+is always the shards; :meth:`ParamSet.local_tensors` also reshards first, so that what a strategy
+writes into them (a global model) is what the next forward gathers, not a stale gathered copy.
+No Lightning here.
 """
 
 from __future__ import annotations
@@ -83,6 +85,6 @@ class ParamSet:
 
     def local_tensors(self, kinds: tuple[str, ...] = KINDS) -> dict[str, Tensor]:
         """This rank's tensor of every parameter of ``kinds`` by name (the shard of a sharded one),
-        resharded first."""
+        resharded first: writes into them reach the next forward."""
         self.reshard()
         return {n: local(self._by_name[n]) for n in self.names if self.kinds[n] in kinds}

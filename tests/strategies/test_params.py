@@ -54,16 +54,23 @@ def mesh(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_local_tensors_are_the_shards_even_after_a_forward_left_them_gathered(mesh):
+def test_local_tensors_are_the_shards_and_what_is_written_there_is_what_the_next_forward_uses(mesh):
     net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     apply_fsdp(net, mesh, ShardPolicy(units=[nn.Linear], reshard_after_forward=False))
     params = ParamSet(net)
     assert set(params.kinds.values()) == {SHARD} and params.sharded
     shards = {n: local(params[n]) for n in params}
+    x = torch.randn(2, 8)
     with torch.no_grad():
-        net(torch.randn(2, 8))  # no backward: FSDP2 leaves every module gathered
+        net(x)  # no backward: FSDP2 leaves every module gathered
     gathered = [n for n, p in net.named_parameters() if not hasattr(p, "device_mesh")]
     assert gathered, "the forward left plain (gathered) tensors registered"
     mine = params.local_tensors()
     for name, shard in shards.items():
         assert mine[name].data_ptr() == shard.data_ptr(), name  # the shard itself, not a gathered copy
+    with torch.no_grad():
+        for t in mine.values():
+            t.zero_()  # as a strategy writes the global model into the shards
+        out = net(x)
+    # the next forward gathers the shards just written (a module left gathered would use its stale copy)
+    torch.testing.assert_close(out, torch.zeros_like(out), atol=0, rtol=0)
