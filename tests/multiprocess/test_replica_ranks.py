@@ -204,6 +204,7 @@ def test_a_replica_started_after_the_run_ended_exits_at_once_saying_why():
         took = time.monotonic() - began
         log = (run.out / "c.1.log").read_text()
     assert code != 0 and "the run has ended" in log and "finished it at optimizer step 24" in log, log[-2000:]
+    assert "start a fresh Lighthouse" in log, log[-2000:]  # the way to another run, or to train this one further
     assert took < 10 + 5, took  # (within 10 s of joining; the process's own start-up is a few seconds more)
 
 
