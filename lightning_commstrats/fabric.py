@@ -327,7 +327,7 @@ class FabricStrategy(RankDevices, ParallelStrategy):
             sharded_checkpoint.save_strategy(scheme, converted, str(path))
             return
         if scheme._comm is not None:
-            converted[STATE_KEY] = scheme.checkpoint_state(path)
+            converted[STATE_KEY] = scheme.states.entry(path)
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
@@ -358,7 +358,7 @@ class FabricStrategy(RankDevices, ParallelStrategy):
         checkpoint = scheme.load_checkpoint(path, weights_only=weights_only)
         checkpoint.pop(STATE_KEY, None)
         if not state:
-            scheme._pending_state = None
+            scheme.states.pending = None
             return checkpoint
         if isinstance(state, (Module, Optimizer)):
             raise ValueError(
@@ -377,7 +377,7 @@ class FabricStrategy(RankDevices, ParallelStrategy):
             else:
                 state[name] = checkpoint.pop(name)
         if self._begun:  # mid-run: the scheme takes its state now
-            scheme._restore_pending_state()
+            scheme.states.restore_pending()
         return checkpoint
 
     @override

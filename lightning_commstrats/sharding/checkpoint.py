@@ -351,12 +351,12 @@ def save_strategy(strategy: Any, checkpoint: dict[str, Any], path: str, storage_
     (see :func:`check_destination`, :func:`check_visible`)."""
     check_destination(path, storage_options)
     sharding = strategy.sharding
-    strategy.wait_for_exchange()
-    state = strategy.state_dict()
+    with strategy.states.transaction():  # the exchange in flight lands before the state is read
+        state = strategy.state_dict()
     save(
         path,
         checkpoint,
-        {"strategy": type(strategy).__name__, "state": state, "rank": strategy.full_rank_state()},
+        {"strategy": type(strategy).__name__, "state": state, "rank": strategy.states.rank_state()},
         module=strategy.lightning_module,
         comm=strategy.comm,
         group=sharding.group,
@@ -393,12 +393,12 @@ def load_strategy(strategy: Any, path: str) -> dict[str, Any]:
             )
         if strategy.resume_mismatch == "reset":
             log_rank_zero(log, logging.WARNING, "%s: %s; its state starts afresh", name, problem)
-            strategy._pending_state = None
+            strategy.states.pending = None
             return checkpoint
         scheme["rank"] = strategy.resharded_rank_state(scheme["state"], scheme["rank"], scheme["world_size"])
         log_rank_zero(log, logging.WARNING, "%s: %s; its state was re-split over this run's ranks", name, problem)
     scheme["world_size"] = strategy.world_size  # in this run's layout now
-    strategy._pending_state = scheme
+    strategy.states.pending = scheme
     return checkpoint
 
 

@@ -16,7 +16,6 @@ Lightning's own traffic (``barrier``, ``broadcast``, ``reduce`` for ``self.log(.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
@@ -39,7 +38,6 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
@@ -63,6 +61,7 @@ from lightning_commstrats.sharding import Sharding, check_shard, local, memory_b
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
 from lightning_commstrats.strategies.params import ParamSet
 from lightning_commstrats.strategies.reducer import BUFFERS, GRADIENTS, Reducer
+from lightning_commstrats.strategies.state import STATE_KEY, StateStore, log_here
 from lightning_commstrats.strategies.stop import StopAgreement
 
 log = logging.getLogger(__name__)
@@ -70,9 +69,6 @@ log = logging.getLogger(__name__)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 RESUME_MISMATCH = ("error", "reset", "reshard")
 NONFINITE_POLICIES = ("raise", "skip")
-STATE_KEY = "lightning_commstrats"
-TWO_LEVEL_KEY = "two_level"  # in a rank's state: the residuals of a quantized slow hop
-_COUNTER_TYPES = (int, float, bool)  # the strategy's plain attributes a snapshot keeps (see take_snapshot)
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
@@ -261,7 +257,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.last_step_skipped = False  # the precision plugin skipped the last step (overflow)
         self._samples_at_step = 0  # samples_per_worker after the last step that ran
         self._samples_at_step_all_ranks = 0
-        self._pending_state: dict[str, Any] | None = None
+        self.states = StateStore(self)  # snapshots and checkpoint files of the scheme's state
         self._timeout = timeout
         self._start_method = start_method
         self._num_nodes = 1
@@ -553,7 +549,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._restore_pending_state()
+        self.states.restore_pending()
         self.comm_stats.start_clock()
 
     @override
@@ -652,28 +648,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
 
     def take_snapshot(self) -> dict[str, Any]:
         """A private copy of everything of this strategy's that training changes, for
-        :meth:`restore_snapshot` (AutoAdjust rolls its trials back with it): both state dicts, the
-        slow hop's residuals and the counters kept outside them (the samples at the last step, a run's
-        sync count found at its first batch..., and those still unset that training may set). The
-        exchange in flight lands first: its thread writes the error feedback the copy holds."""
-        self.wait_for_exchange()
-        return {
-            "state": copy.deepcopy(self.state_dict()),
-            "rank_state": copy.deepcopy(self.rank_state_dict()),
-            "two_level": None if self.two_level is None else copy.deepcopy(self.two_level.state_dict()),
-            "counters": {k: v for k, v in vars(self).items() if v is None or type(v) in _COUNTER_TYPES},
-        }
+        :meth:`restore_snapshot` (AutoAdjust rolls its trials back with it): :meth:`StateStore.snapshot`."""
+        return self.states.snapshot()
 
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
-        """Put back a :meth:`take_snapshot` (which stays usable). An exchange started since is waited
-        for and dropped: landing after this, it would overwrite the error feedback put back."""
-        self.wait_for_exchange()
-        self.load_state_dict(copy.deepcopy(snapshot["state"]), copy.deepcopy(snapshot["rank_state"]))
-        if snapshot["two_level"] is not None and self.two_level is not None:
-            self.two_level.load_state_dict(copy.deepcopy(snapshot["two_level"]))
-        for key, value in snapshot["counters"].items():
-            if value is not None or type(getattr(self, key, None)) in _COUNTER_TYPES:
-                setattr(self, key, value)
+        """Put back a :meth:`take_snapshot` (which stays usable): :meth:`StateStore.restore`."""
+        self.states.restore(snapshot)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -697,50 +677,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
             if self.sharding is not None:  # a directory through torch.distributed.checkpoint, every rank's
                 sharded_checkpoint.save_strategy(self, checkpoint, str(filepath), storage_options)
                 return
-            checkpoint[STATE_KEY] = self.checkpoint_state(filepath)
+            checkpoint[STATE_KEY] = self.states.entry(filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def full_rank_state(self) -> dict[str, Any]:
-        """This rank's state as checkpoints hold it: the scheme's, and the slow hop's residuals."""
-        rank = self.rank_state_dict()
-        if self.two_level is not None and self.two_level.state_dict():
-            rank = {**rank, TWO_LEVEL_KEY: self.two_level.state_dict()}
-        return rank
-
-    def checkpoint_state(self, filepath: Any) -> dict[str, Any]:
-        """Collective. The scheme's entry of the checkpoint ``filepath``: the state every rank shares,
-        and either this process's own state (one process) or the names of the ranks' shards, each
-        rank's written beside ``filepath`` before this returns (on every rank)."""
-        entry: dict[str, Any] = {
-            "strategy": type(self).__name__,
-            "world_size": self.world_size,
-            "state": _to_cpu(self.state_dict()),
-        }
-        rank = self.full_rank_state()
-        if self.world_size == 1:  # one process: its state goes in the file itself
-            entry["rank"] = _to_cpu(rank)
-        else:
-            shards = [shard_name(filepath, r, self.world_size) for r in range(self.world_size)]
-            self._write_shard(_to_cpu(rank), _beside(filepath, shards[self.global_rank]))
-            self.comm.barrier()
-            entry["shards"] = shards
-        return entry
-
-    def _write_shard(self, state: dict[str, Any], path: str) -> None:
-        """Write a shard whole or not at all. A local file is streamed by ``torch.save`` to a
-        temporary name and renamed (no in-memory copy of the state); other filesystems go through
-        the strategy's ``CheckpointIO``."""
-        if "://" in path:
-            self.checkpoint_io.save_checkpoint(state, path)
-            return
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     @property
     @override
@@ -755,40 +693,14 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 sharded_checkpoint.remove(str(filepath))
             return
         super().remove_checkpoint(filepath)  # rank 0: the file
-        shard = _beside(filepath, shard_name(filepath, self.global_rank, self.world_size))
-        if os.path.exists(shard):  # every rank: its own shard
-            self.checkpoint_io.remove_checkpoint(shard)
+        self.states.remove_shard(filepath)  # every rank: its own shard
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.sharding is not None:
             return sharded_checkpoint.load_strategy(self, str(checkpoint_path))
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved = checkpoint.get(STATE_KEY)
-        if saved is not None:
-            saved = dict(saved)
-            if "ranks" in saved:  # the earlier format: every rank's state in the one file
-                ranks = saved.pop("ranks")
-                saved["rank"] = ranks[self.global_rank] if saved["world_size"] == self.world_size else None
-            elif "rank" in saved:  # saved by one process
-                pass
-            elif saved["world_size"] == self.world_size:  # this rank's shard only
-                shard = _beside(checkpoint_path, saved["shards"][self.global_rank])
-                if not os.path.exists(shard):
-                    raise FileNotFoundError(
-                        f"{checkpoint_path} needs this rank's shard {shard} (rank {self.global_rank} of"
-                        f" {self.world_size}): every rank's shard must be where it was written"
-                    )
-                saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only)
-            elif self.resume_mismatch == "reshard" and saved.get("shards"):
-                # another number of ranks: rank r starts from old rank r mod N_old's state
-                old = self.global_rank % saved["world_size"]
-                shard = _beside(checkpoint_path, saved["shards"][old])
-                exists = os.path.exists(shard)
-                saved["rank"] = self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only) if exists else None
-            else:
-                saved["rank"] = None
-        self._pending_state = saved
+        self.states.read(checkpoint, checkpoint_path, weights_only=weights_only)
         return checkpoint
 
     def resharded_rank_state(
@@ -798,73 +710,6 @@ class CommStrategy(RankDevices, ParallelStrategy):
         the state of old rank ``global_rank mod saved_world_size`` (``None`` if its shard is not
         here). Raises ``ValueError`` where the scheme's state cannot be re-split."""
         raise ValueError(f"{type(self).__name__} cannot re-split its state over another number of ranks")
-
-    def pending_rank_state(self) -> dict[str, Any] | None:
-        """This rank's state from the checkpoint being restored, if any (before it is applied)."""
-        if self._pending_state is None or self._pending_state.get("strategy") != type(self).__name__:
-            return None
-        return self._pending_state.get("rank")
-
-    def _restore_pending_state(self) -> None:
-        saved, self._pending_state = self._pending_state, None
-        if saved is None:
-            return
-        name = type(self).__name__
-        rank_state = saved.get("rank")
-        two_level = None
-        if isinstance(rank_state, dict) and TWO_LEVEL_KEY in rank_state:  # the slow hop's residuals
-            rank_state = dict(rank_state)
-            two_level = rank_state.pop(TWO_LEVEL_KEY)
-            saved = {**saved, "rank": rank_state}
-        if self.two_level is not None:  # they carry over only to the same ranks; else restart at zero
-            self.two_level.reset()
-            if two_level is not None and saved["world_size"] == self.world_size:
-                self.two_level.load_state_dict(_to_device(two_level, self.root_device))
-        if saved["strategy"] != name:
-            log_rank_zero(
-                log,
-                logging.WARNING,
-                "checkpoint state of %s is not %s state; %s starts afresh",
-                saved["strategy"],
-                name,
-                name,
-            )
-            return
-        if saved["world_size"] != self.world_size:
-            problem = f"it was saved by {saved['world_size']} ranks and this run has {self.world_size}"
-            if self.resume_mismatch == "reshard":
-                try:
-                    rank_state = self.resharded_rank_state(saved["state"], saved.get("rank"), saved["world_size"])
-                    self.load_state_dict(saved["state"], _to_device(rank_state, self.root_device))
-                    log_rank_zero(
-                        log, logging.WARNING, "%s: %s; its state was re-split over this run's ranks", name, problem
-                    )
-                    return
-                except ValueError as err:
-                    problem = f"{problem}, and {err}"
-        else:
-            try:
-                self.load_state_dict(saved["state"], _to_device(saved["rank"], self.root_device))
-                return
-            except ValueError as err:
-                problem = str(err)
-        if self.resume_mismatch == "reset":
-            # another world size is every rank's problem alike; a rank's own state may fail alone
-            say = log_rank_zero if saved["world_size"] != self.world_size else _log_here
-            say(
-                log,
-                logging.WARNING,
-                "%s: not restoring the checkpoint's strategy state (%s); starting it afresh",
-                name,
-                problem,
-            )
-            self.reset_state()
-            return
-        raise ValueError(
-            f"{name} cannot restore its state from the checkpoint: {problem}."
-            f" Pass {name}(resume_mismatch='reset') to start that state afresh"
-            + ("." if self.resume_mismatch == "reshard" else " (or 'reshard' to re-split it over these ranks).")
-        )
 
     # ------------------------------------------------------------------ the optimizer step
 
@@ -974,7 +819,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 f" {self.optimizer_steps} ({where}). Lower the learning rate, clip gradients, use loss"
                 f" scaling, or pass nonfinite='skip' to skip such steps."
             )
-        say = log_rank_zero if everywhere else _log_here  # a decision every rank took alike: said once
+        say = log_rank_zero if everywhere else log_here  # a decision every rank took alike: said once
         say(
             log,
             logging.WARNING,
@@ -1141,16 +986,6 @@ def agreed_buffer_ids(module: Module) -> set[int]:
     }
 
 
-def shard_name(filepath: Any, rank: int, world_size: int) -> str:
-    """The file name of rank ``rank``'s shard of the checkpoint ``filepath`` (beside it)."""
-    return f"{os.path.basename(str(filepath))}.rank{rank}-of-{world_size}"
-
-
-def _beside(filepath: Any, name: str) -> str:
-    """The path of the file ``name`` in the folder of ``filepath``."""
-    return os.path.join(os.path.dirname(str(filepath)), name)
-
-
 def _suggest(cls: type, unknown: dict[str, Any]) -> str:
     """``" (did you mean: sync_peroid -> sync_period?)"`` for misspelled keyword arguments: the nearest
     of the names every ``__init__`` in ``cls``'s hierarchy takes, or ``""``."""
@@ -1168,14 +1003,6 @@ def _suggest(cls: type, unknown: dict[str, Any]) -> str:
 def _some_names(names: Sequence[str], most: int = 8) -> str:
     """The first ``most`` names, and how many more."""
     return ", ".join(list(names)[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def _to_cpu(obj: Any) -> Any:
-    return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    return apply_to_collection(obj, Tensor, lambda t: t.to(device))
 
 
 def _reduce_op_name(reduce_op: ReduceOp | str | None) -> str:
@@ -1196,8 +1023,3 @@ def _externally_launched_world_size(env: ClusterEnvironment) -> int | None:
         # LOCAL_RANK itself also exports WORLD_SIZE (as torchrun and Lightning's children do).
         return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     return env.world_size()
-
-
-def _log_here(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
-    """``logger.log`` on this rank (what only this rank knows), as :func:`log_rank_zero` is called."""
-    logger.log(level, msg, *args, stacklevel=2)

@@ -311,7 +311,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
         # takes its own from its shard here, wherever a checkpoint is loaded (fit, validate, test,
         # predict), so that the sanity check and evaluation run on the right experts.
         super().load_model_state_dict(checkpoint, strict=strict)
-        rank_state = self.pending_rank_state()
+        rank_state = self.states.pending_rank_state()
         if rank_state is None:
             return
         if list(rank_state["layout"]) != [self.dp_size, self.ep_size, self.inner]:
