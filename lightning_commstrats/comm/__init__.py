@@ -12,7 +12,13 @@ from datetime import timedelta
 import torch
 
 from lightning_commstrats.comm import wire
-from lightning_commstrats.comm.base import REDUCE_OPS, CollectiveError, Communicator, LocalCommunicator
+from lightning_commstrats.comm.base import (
+    REDUCE_OPS,
+    CollectiveError,
+    Communicator,
+    LocalCommunicator,
+    is_backend_failure,
+)
 from lightning_commstrats.comm.mpi import MPI4PY_AVAILABLE, MPICommunicator, import_mpi
 from lightning_commstrats.comm.stats import CommCounters, CommSnapshot, CommStats, delta
 from lightning_commstrats.comm.torch_dist import (
@@ -45,6 +51,7 @@ __all__ = [
     "destroy_process_group",
     "import_mpi",
     "init_process_group",
+    "is_backend_failure",
     "resolve_backend",
     "wire",
 ]

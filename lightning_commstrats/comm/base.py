@@ -270,12 +270,18 @@ class Communicator(ABC):
         try:
             fn()
         except Exception as err:  # a peer died or hung: say which, on this rank, and stop
-            why = self._diagnose()
-            raise CollectiveError(
-                f"rank {self.rank} of {self.world_size}: a collective ({tag}) failed after"
-                f" {time.perf_counter() - start:.1f} s{': ' + why if why else ''}. {err}"
-            ) from err
+            raise self.failure(f"a collective ({tag})", err, time.perf_counter() - start) from err
         self.stats.record(tag, nbytes, on_device.stop() if on_device else time.perf_counter() - start)
+
+    def failure(self, what: str, err: BaseException, seconds: float | None = None) -> CollectiveError:
+        """The :class:`CollectiveError` to raise for ``err``, a failure of ``what`` on this rank (one
+        of its own collectives, or one another library issued over these ranks, as FSDP2's), naming
+        the peers that stopped where the backend can tell."""
+        why = self._diagnose()
+        after = f" after {seconds:.1f} s" if seconds is not None else ""
+        return CollectiveError(
+            f"rank {self.rank} of {self.world_size}: {what} failed{after}{': ' + why if why else ''}. {err}"
+        )
 
     def _diagnose(self) -> str:
         """Why a collective may have failed (which peer stopped), where the backend can tell."""
@@ -347,6 +353,20 @@ class CollectiveError(RuntimeError):
     """A collective failed on this rank: a peer stopped (killed, out of memory, exited on an error),
     hung past the timeout, or the network broke. The message names the peers that stopped when the
     backend can tell."""
+
+
+# how a backend's own failure reads when it reaches us through another library's collective (FSDP2's)
+_BACKEND_FAILURES = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "ProcessGroup", "c10d")
+
+
+def is_backend_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's failure raised by the communication backend (a peer gone, a
+    timeout), not an error of the code around it."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _BACKEND_FAILURES)
 
 
 class LocalCommunicator(Communicator):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -50,10 +51,12 @@ from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, BucketKey, flatten, unflatten_into
 from lightning_commstrats.comm import (
     BACKENDS,
+    CollectiveError,
     CommStats,
     Communicator,
     create_communicator,
     import_mpi,
+    is_backend_failure,
     resolve_backend,
 )
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
@@ -710,6 +713,42 @@ class CommStrategy(RankDevices, ParallelStrategy):
         the state of old rank ``global_rank mod saved_world_size`` (``None`` if its shard is not
         here). Raises ``ValueError`` where the scheme's state cannot be re-split."""
         raise ValueError(f"{type(self).__name__} cannot re-split its state over another number of ranks")
+
+    # ------------------------------------------------------------------ FSDP2's own collectives
+
+    @contextmanager
+    def named_failures(self, where: str) -> Iterator[None]:
+        """With ``shard="fsdp"``, FSDP2 issues its own collectives inside forward and backward (its
+        all-gathers and reduce-scatters), not through the communicator: a peer that died surfaces
+        there as the backend's raw error (gloo's "Connection closed by peer"). Raise it as the
+        :class:`~lightning_commstrats.comm.CollectiveError` that names the ranks that stopped, as
+        every collective of the package does."""
+        if self.sharding is None or self._comm is None:
+            yield
+            return
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as err:
+            if not is_backend_failure(err):
+                raise
+            raise self._comm.failure(f"FSDP2's collectives in {where}", err) from err
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.named_failures("the training step's forward"):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.named_failures("a validation step"):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self.named_failures("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------ the optimizer step
 

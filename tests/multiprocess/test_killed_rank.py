@@ -72,6 +72,19 @@ def test_the_others_stop_within_seconds_naming_the_killed_rank(world, victim):
     print(f"{world} ranks, rank {victim} killed: the others exited in {elapsed:.1f} s")
 
 
+def test_a_sharded_run_stops_naming_the_killed_rank_when_fsdp2s_own_collective_fails():
+    # one group of 2: the partner's next collective is FSDP2's all-gather (or reduce-scatter), which the
+    # package does not issue itself; its gloo error ("Connection closed by peer") must still come out
+    # as the CollectiveError that names the rank that stopped
+    elapsed, codes, logs = _kill_one(2, 1, shard="fsdp", group_size=2, shard_policy={"min_unit_numel": 1})
+    assert None not in codes, f"the survivor still ran {elapsed:.0f} s after the kill"
+    assert codes == [codes[0]] and codes[0] != 0
+    assert elapsed < BOUND_SECONDS
+    for text in logs:
+        assert "CollectiveError" in text, text[-3000:]
+        assert "rank(s) [1]" in text, text[-3000:]
+
+
 @pytest.mark.parametrize(
     ("victim", "mode"),
     # a dead worker in the slow suite (13 s each: the quick suite's budget); the server's death stays quick
