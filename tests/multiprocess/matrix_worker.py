@@ -4,7 +4,7 @@ Usage: ``matrix_worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"case": {axis: value},
 (see :mod:`lightning_commstrats.support`). The case is trained as ``main`` (with validation during fit
 and checkpoints every 3 optimizer steps when the case asks for them); as ``reference`` without either,
 when the case has one; and as ``resumed`` from ``main``'s checkpoint at step 6 (the middle of a period of
-4), when the case resumes (an epoch is 6 steps: Lightning resumes bit for bit at an epoch's end).
+4), when the case resumes (validating as ``main`` does; an epoch is 6 steps: Lightning resumes bit for bit at an epoch's end).
 This rank saves ``OUT_DIR/rank<r>.pt``: per run, the final state dict (whole
 tensors), the state dict before training, the buffers before the end of fit, the tensors the scheme
 says every rank of a replica group holds alike (``replicated``) and that group (``replica_key``).
@@ -29,7 +29,7 @@ import lightning as L
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from worker import MODELS, BuffersAtEnd
 
 import lightning_commstrats
@@ -59,6 +59,14 @@ def build_model(settings: support.Settings, feature: str, rank: int) -> L.Lightn
             elif feature == "no-grad":
                 self.idle = nn.Parameter(torch.randn(40, 32))  # above small_tensor_numel: quantized
                 self.still = nn.Parameter(torch.randn(40, 32))
+
+        epoch_samples: int | None = None  # the Trainer's epoch: the first samples of the data
+
+        def train_dataloader(self) -> DataLoader:
+            loader = super().train_dataloader()
+            if self.epoch_samples is None:
+                return loader
+            return DataLoader(Subset(loader.dataset, range(self.epoch_samples)), batch_size=loader.batch_size)
 
         def aux_loss(self, batch: Any) -> torch.Tensor:
             first = batch[0] if isinstance(batch, (tuple, list)) else batch
@@ -116,8 +124,10 @@ def replica_key(strategy: Any) -> int:
 
 
 def batching_callback(case: dict[str, str]) -> list[L.Callback]:
+    # AutoAdjust searches at every epoch's start (trials trained and rolled back) and keeps the size of 4:
+    # the epoch stays RESUME_AT steps
     if case["batching"] == "AutoAdjust":
-        return [lightning_commstrats.AutoAdjust(max_batch_size=8, search_samples=16, round_to=2, error_margin=50.0)]
+        return [lightning_commstrats.AutoAdjust(max_batch_size=4, search_samples=16, round_to=2)]
     if case["batching"] == "GradientNoiseScale":
         return [lightning_commstrats.GradientNoiseScale()]
     return []
@@ -126,13 +136,18 @@ def batching_callback(case: dict[str, str]) -> list[L.Callback]:
 def run_trainer(case: dict[str, str], settings: support.Settings, run: str, out: Path, rank: int) -> dict[str, Any]:
     L.seed_everything(7, verbose=False)
     model = build_model(settings, case["model"], rank)
+    # an epoch of RESUME_AT optimizer steps (not limit_train_batches, which AutoAdjust refuses): Lightning
+    # resumes a fit at an epoch's end bit for bit (mid-epoch it starts the DataLoader afresh), and step
+    # RESUME_AT is the middle of a period
+    model.epoch_samples = RESUME_AT * int(case["accumulate"]) * 4 * settings.world_size
     start = whole(model.state_dict())
     strategy = scheme_class(settings.scheme)(**scheme_kwargs(settings, model))
     at_end = BuffersAtEnd()
     callbacks: list[L.Callback] = [at_end, *batching_callback(case)]
-    observed = run == "main"
-    validate = observed and case["validation"] != "off"
-    save = observed and case["resume"] != "off"
+    # the resumed run validates as the uninterrupted one did: validation averages the buffers, which
+    # changes their rounding (not their value), and the two must agree bit for bit
+    validate = run != "reference" and case["validation"] != "off"
+    save = run == "main" and case["resume"] != "off"
     if save:
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -147,9 +162,6 @@ def run_trainer(case: dict[str, str], settings: support.Settings, run: str, out:
         devices=settings.world_size,
         strategy=strategy,
         max_steps=MAX_STEPS,
-        # an epoch of RESUME_AT optimizer steps: Lightning resumes a fit at an epoch's end bit for bit
-        # (mid-epoch it starts the DataLoader afresh), and step RESUME_AT is the middle of a period
-        limit_train_batches=RESUME_AT * int(case["accumulate"]),
         accumulate_grad_batches=int(case["accumulate"]),
         val_check_interval=3 if validate else None,
         limit_val_batches=2 if validate else 0,
@@ -212,7 +224,7 @@ def run_fabric(case: dict[str, str], settings: support.Settings, run: str, out: 
         optimizer.step()
         optimizer.zero_grad()
         step += 1
-        if observed and case["validation"] != "off" and step % 3 == 0:
+        if run != "reference" and case["validation"] != "off" and step % 3 == 0:
             with fabric.strategy.global_model(), torch.no_grad():
                 model.eval()
                 model.fabric_loss(batch)
