@@ -35,6 +35,7 @@ from lightning_commstrats.buckets import BucketKey
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import QuantizedAllReduce
 from lightning_commstrats.compression.quantizers import ColumnCodec
+from lightning_commstrats.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,10 @@ def check_slow_bits(slow_bits: int) -> None:
 
 
 def group_layout(world_size: int, group_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The groups (consecutive ranks) and the cross-group rings (ranks with the same index)."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if world_size % group_size:
-        raise ValueError(f"group_size={group_size} must divide the number of ranks, {world_size}")
-    groups = [list(range(s, s + group_size)) for s in range(0, world_size, group_size)]
-    across = [list(range(i, world_size, group_size)) for i in range(group_size)]
-    return groups, across
+    """The groups (consecutive ranks) and the cross-group rings (ranks with the same index), as the
+    run's :class:`~lightning_commstrats.topology.Topology` has them."""
+    topology = Topology(world_size, group_size)
+    return topology.groups(), topology.across()
 
 
 class TwoLevelAllReduce:

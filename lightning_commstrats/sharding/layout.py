@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.comm.torch_dist import TorchCommunicator, destroy_process_group
-from lightning_commstrats.compression.hierarchical import group_layout
 from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
+from lightning_commstrats.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,16 @@ class Sharding:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
             atexit.register(destroy_process_group)  # kept for the process, as a world's group is
-        size = devices_per_node if self.group_size == "node" else int(self.group_size)
-        _, across = group_layout(comm.world_size, size)  # raises when the size does not divide the world
-        self.num_groups, self.group, self.index = comm.world_size // size, comm.rank // size, comm.rank % size
+        # raises when the size does not divide the world
+        topology = Topology.of(comm.world_size, devices_per_node, self.group_size, "fsdp")
+        size = topology.group_size
+        self.num_groups, self.group, self.index = (
+            topology.num_groups,
+            topology.group_of(comm.rank),
+            topology.index_of(comm.rank),
+        )
         self.mesh = init_device_mesh(device.type, (self.num_groups, size), mesh_dim_names=("replicate", "shard"))
-        self._across = across
+        self._across = topology.across()
         if self.num_groups > 1:  # the mesh's own groups of rank i of every group, not another set of them
             self.cross = TorchCommunicator(
                 self.mesh.get_group("replicate"), stats=comm.stats, heartbeat=comm.heartbeat, device=comm.device

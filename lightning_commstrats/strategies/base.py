@@ -66,6 +66,7 @@ from lightning_commstrats.strategies.params import ParamSet
 from lightning_commstrats.strategies.reducer import BUFFERS, GRADIENTS, Reducer
 from lightning_commstrats.strategies.state import STATE_KEY, StateStore, log_here
 from lightning_commstrats.strategies.stop import StopAgreement
+from lightning_commstrats.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         # the fused reductions by route; connected with the ranks: gradients in two levels over groups,
         # or across them when sharded
         self.reducer = Reducer(bucket_cap_mb)
+        self.topology: Topology | None = None  # the ranks' layout, once the world is known
         self.verify_sync_every = verify_sync_every
         self.verify_sync_action = verify_sync_action
         self._backend = backend
@@ -388,6 +390,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 main_port=env.main_port if multi else 0,
                 timeout=self._timeout,
             )
+        self.topology = Topology.of(self.world_size, self.num_processes, self.group_size, self.shard)
         if self.sharding is not None and self.sharding.mesh is None:
             self.sharding.connect(self._comm, self.num_processes, self.root_device)
             assert self.sharding.cross is not None
@@ -398,9 +401,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 self.lightning_module._device_mesh = self.sharding.mesh
         elif self.reducer.hop is None:
             hop = None
-            if self.group_size is not None and self.world_size > 1:
-                size = self.num_processes if self.group_size == "node" else self.group_size
-                hop = TwoLevelAllReduce(self._comm, size, self.slow_hop_bits, hold=True)
+            if self.group_size is not None and self.world_size > 1:  # groups of one too: a hop between ranks
+                hop = TwoLevelAllReduce(self._comm, self.topology.group_size, self.slow_hop_bits, hold=True)
             self.reducer.connect(self._comm, self.replica_comm, hop)
         log.info(
             "%s: rank %d of %d over %r%s",
@@ -524,9 +526,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
     @property
     def num_models(self) -> int:
         """The models the scheme averages: every rank's, or with ``shard="fsdp"`` every group's."""
-        if self.sharding is not None and self.sharding.mesh is not None:
-            return self.sharding.num_groups
-        return self.world_size
+        if self.topology is None:  # before the ranks are connected
+            return self.world_size
+        return self.topology.num_models
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds now, by kind (``parameters``, ``gradients``, ``optimizer``, ``scheme``)
