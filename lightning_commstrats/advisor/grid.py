@@ -23,7 +23,7 @@ from lightning_commstrats.advisor.inputs import (
 )
 from lightning_commstrats.advisor.predict import Candidate, predict
 from lightning_commstrats.cost_model import ModelShape
-from lightning_commstrats.strategies.periodic import fragment_bounds
+from lightning_commstrats.strategies.fragments import fragment_bounds
 
 
 def default_settings(

@@ -26,7 +26,7 @@ from lightning_commstrats.compression.exchange import EXCHANGE_BITS
 from lightning_commstrats.compression.rows import resolve_count
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.outer import OUTER_STATES
-from lightning_commstrats.strategies.periodic import fragment_bounds
+from lightning_commstrats.strategies.fragments import fragment_bounds
 
 
 @dataclass(frozen=True)

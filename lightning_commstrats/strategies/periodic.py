@@ -30,10 +30,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +55,7 @@ from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.sharding.checkpoint import global_state_dict
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy
+from lightning_commstrats.strategies.fragments import BackgroundRunner, Exchange, FragmentSchedule, fragment_bounds
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +63,6 @@ UNITS = ("samples", "steps")
 PSEUDO_GRAD_BITS = (2, 4, 8, 16, 32)
 # First-moment buffers of the common optimizers: SGD's momentum and Adam's exp_avg.
 MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
-
-
-@dataclass
-class _Exchange:
-    """A fragment's pseudo-gradient on its way: averaged in place into ``grad`` by ``future``."""
-
-    fragment: int
-    started_at: int  # the optimizer step after which the exchange started
-    apply_at: int  # the optimizer step after which the result is applied
-    grad: Tensor
-    future: Future | None = None
-    nonfinite: list[str] | None = None  # names whose average is not finite (set when it lands)
-    contributes: bool = True  # fault tolerance: False for a replica that healed at this sync (it sends zeros)
-    took_part: int = 1  # fault tolerance: replicas whose block the average holds (0: no outer step)
-    healed: dict[str, Any] | None = None  # fault tolerance: the shared state received at this sync, to adopt
-    launched: Tensor | None = None  # keep_local_progress: this rank's local weights of the fragment at the launch
-    buffers: Tensor | None = None  # fault tolerance: the module's float buffers, averaged across replicas too
-    stop: bool = False  # fault tolerance: this replica asks the run to stop (a callback, a time limit)
-    planned_end: float = math.inf  # fault tolerance: the optimizer step at which this replica's limits end fit
-    run_end: float = math.inf  # fault tolerance: the step at which the run ends, agreed at this sync
 
 
 OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
@@ -341,12 +319,11 @@ class PeriodicSyncStrategy(CommStrategy):
         self._stop_requested = False  # fault tolerance: a callback asked to stop; agreed at the next sync
         self.started = False  # past the warm start
         self.outer: OuterOptimizer | None = None
-        self._block_start: list[int] = []  # progress when each fragment's current block began
+        self.schedule = FragmentSchedule(sync_period, num_fragments)  # when each fragment syncs
         self._bounds: list[tuple[int, int]] = []  # each fragment's parameters: [begin, end) indices
-        self._inflight: _Exchange | None = None
+        self._inflight: Exchange | None = None
         self._exchange: TensorExchange | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._side_stream: torch.cuda.Stream | None = None  # the background exchange's, on CUDA
+        self._runner = BackgroundRunner()  # the exchanges with a delay: a thread (and a CUDA stream)
         self._stash: list[Tensor] | None = None  # local weights while validation uses the global model
         # (fragment, step its exchange started after, step its result was applied after), recent syncs
         self.sync_history: deque[tuple[int, int, int]] = deque(maxlen=1024)
@@ -463,14 +440,9 @@ class PeriodicSyncStrategy(CommStrategy):
     def _start(self) -> None:
         self.started = True
         self.reducer.release("grad")  # the warm start's gradient exchange is over: free its buffers
-        self._stagger()
+        self.schedule.stagger(self._progress())
         self.outer = self._new_outer()
         self.outer.start([self.flat_weights(k) for k in range(self.num_fragments)])
-
-    def _stagger(self) -> None:
-        """Fragment k next syncs (k + 1) H / F units from now, then every H: the fragments take turns."""
-        now, h, f = self._progress(), self.sync_period, self.num_fragments
-        self._block_start = [now - h + (k + 1) * h // f for k in range(f)]
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
@@ -486,11 +458,10 @@ class PeriodicSyncStrategy(CommStrategy):
         if self.started:
             if self._inflight is not None and self.optimizer_steps >= self._inflight.apply_at:
                 self._apply()
-            for k in range(self.num_fragments):
-                if self._progress() - self._block_start[k] >= self.sync_period:
-                    self._launch(k, background=self.fragment_sync_delay > 0)
-                    if self.fragment_sync_delay == 0:
-                        self._apply()
+            for k in self.schedule.due(self._progress()):
+                self._launch(k, background=self.fragment_sync_delay > 0)
+                if self.fragment_sync_delay == 0:
+                    self._apply()
         elif self._progress() >= self.parallelization_start:
             self._start()
         if self.optimizer_steps >= self._run_end and self.trainer is not None:
@@ -564,9 +535,9 @@ class PeriodicSyncStrategy(CommStrategy):
         local = self.flat_weights(fragment)
         grad = self.outer.start_point(fragment) - local
         named = self.named_views(fragment, grad)
-        self._block_start[fragment] = self._progress()
+        self.schedule.launched(fragment, self._progress())
         delay = self.fragment_sync_delay if background else 0
-        pending = _Exchange(fragment, self.optimizer_steps, self.optimizer_steps + delay, grad)
+        pending = Exchange(fragment, self.optimizer_steps, self.optimizer_steps + delay, grad)
         if self.keep_local_progress and delay:
             pending.launched = local
         if self.replicas is not None:
@@ -574,33 +545,17 @@ class PeriodicSyncStrategy(CommStrategy):
             pending.stop, pending.planned_end = self._stop_requested, self._planned_end()
             self.replicas.set_offer(self.replica_state(pending))  # read by a healing peer in this sync's quorum
         if background and (self.replica_comm.world_size > 1 or self.fault_tolerance is not None):
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commstrats-exchange")
-            side = None
-            if grad.is_cuda:
-                # its own stream: training kernels queued meanwhile must not wait behind the
-                # exchange's collectives (nor the main thread's collectives behind them). It starts
-                # after the work that made ``grad``; wait_for_exchange joins it back.
-                if self._side_stream is None:
-                    self._side_stream = torch.cuda.Stream(device=grad.device)
-                side = self._side_stream
-                side.wait_stream(torch.cuda.current_stream(grad.device))
-                # made on the main stream, used on the side one: its memory is not reused until the
-                # side stream is done with it, whichever thread drops the last reference
-                grad.record_stream(side)
-            pending.future = self._pool.submit(self._exchange_on, side, pending, named)
+            exchange_on = self._exchange_on  # read now: the thread runs what was launched
+            self._runner.submit(pending, lambda: exchange_on(pending, named))
         else:
             pending.nonfinite = self._average(pending, named)
         self._inflight = pending
 
-    def _exchange_on(self, stream: torch.cuda.Stream | None, pending: _Exchange, named: dict[str, Tensor]) -> list[str]:
-        """The background thread's work: the average, on ``stream`` when on CUDA."""
-        if stream is None:
-            return self._average(pending, named)
-        with torch.cuda.stream(stream):
-            return self._average(pending, named)
+    def _exchange_on(self, pending: Exchange, named: dict[str, Tensor]) -> list[str]:
+        """The background thread's work (on the runner's side stream on CUDA): the average."""
+        return self._average(pending, named)
 
-    def _average(self, pending: _Exchange, named: dict[str, Tensor]) -> list[str]:
+    def _average(self, pending: Exchange, named: dict[str, Tensor]) -> list[str]:
         if self.fault_tolerance is not None:
             return self._replica_average(pending)
         return self.average_pseudo_gradient(named)
@@ -669,13 +624,12 @@ class PeriodicSyncStrategy(CommStrategy):
         SparseLoCo's outer step) the merge is its outer step."""
         if self._inflight is not None:
             self._apply()
-        for k in range(self.num_fragments):
-            if self._progress() - self._block_start[k] > 0:
-                self._launch(k, background=False)
-                self._apply(merge=True)
+        for k in self.schedule.behind(self._progress()):
+            self._launch(k, background=False)
+            self._apply(merge=True)
         # every fragment is in sync now: they take turns again from here, as at the start (a run
         # resumed from a checkpoint saved after this must not find every fragment due at once)
-        self._stagger()
+        self.schedule.stagger(self._progress())
 
     def _merge(self, fragment: int, pseudo_grad: Tensor) -> None:
         """``w -= G`` on ``fragment``'s global model where it lives; the outer optimizer's state is kept."""
@@ -703,9 +657,7 @@ class PeriodicSyncStrategy(CommStrategy):
             assert final is not None
             self.load_flat(final)
             self.comm_stats.extend_last_step()  # the end-of-fit sync belongs to the last step
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        self._runner.shutdown()
         if self.replicas is not None:
             rid = self.fault_tolerance.replica_id if self.fault_tolerance is not None else ""
             self.replicas.finish(f"replica {rid!r} finished it at optimizer step {self.optimizer_steps}")
@@ -743,14 +695,14 @@ class PeriodicSyncStrategy(CommStrategy):
         # across replicas every rank exchanges its own slice (or shard) of the pseudo-gradient
         return super().ranks_check_apart or self.replicas is not None
 
-    def _replica_average(self, pending: _Exchange) -> list[str]:
+    def _replica_average(self, pending: Exchange) -> list[str]:
         """Average ``pending`` over the replicas of a quorum (see :meth:`ReplicaGroup.average`)."""
         assert self.replicas is not None
         return self.replicas.average(pending, self)
 
     # what the replicas component needs of this strategy (lightning_commstrats.replicas.ReplicaHost)
 
-    def replica_state(self, pending: _Exchange | None) -> dict[str, Any]:
+    def replica_state(self, pending: Exchange | None) -> dict[str, Any]:
         """The state every replica shares (this rank's part of it: its shards when sharded): the global
         model and outer optimizer, the module's buffers, the schedule, the step count, the
         learning-rate schedules (the schedulers and the inner optimizers' hyperparameters); and the
@@ -762,7 +714,7 @@ class PeriodicSyncStrategy(CommStrategy):
         return {
             "optimizer_steps": self.optimizer_steps,
             "samples_per_worker": self.samples_per_worker,
-            "block_start": list(self._block_start),
+            **self.schedule.state_dict(),
             "outer": self.outer.state_dict(),
             "buffers": [] if module is None else [b.detach().clone() for b in module.buffers()],
             "sync": None if pending is None else (pending.fragment, pending.started_at, pending.apply_at),
@@ -784,7 +736,7 @@ class PeriodicSyncStrategy(CommStrategy):
         outer = self._new_outer()
         outer.load_state_dict(state["outer"], self.root_device)
         self.outer, self.started = outer, True
-        self._block_start = [int(b) for b in state["block_start"]]
+        self.schedule.load_state_dict(state)
         self._run_end = min(self._run_end, float(state.get("run_end", math.inf)))
         for f in range(self.num_fragments):
             self.load_flat(outer.start_point(f), f)
@@ -812,20 +764,20 @@ class PeriodicSyncStrategy(CommStrategy):
                 set_trainer_steps(trainer, steps)
         self.optimizer_steps = steps
 
-    def join_sync(self, state: dict[str, Any]) -> _Exchange:
+    def join_sync(self, state: dict[str, Any]) -> Exchange:
         """The sync a peer was in when this replica healed from it: this replica takes part (sending
         zeros) and applies it when the others do."""
         # the snapshot was taken inside the source's optimizer step, before Lightning stepped its
         # schedulers for it: step them here, where this replica's loop will not
         step_schedulers_once(self.trainer)
         fragment, started_at, apply_at = state["sync"]
-        pending = _Exchange(fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False)
+        pending = Exchange(fragment, started_at, apply_at, self.flat_weights(fragment).zero_(), contributes=False)
         pending.buffers = self._buffers_for(fragment, agree=False)
         pending.planned_end = self._planned_end()
         self._inflight = pending
         return pending
 
-    def retarget(self, pending: _Exchange, sync: tuple[int, int, int]) -> Tensor:
+    def retarget(self, pending: Exchange, sync: tuple[int, int, int]) -> Tensor:
         """Point ``pending`` at the sync the run is in (another fragment, later steps), with a zero
         pseudo-gradient of that fragment's size, applied at this replica's next step; returns it."""
         fragment, started_at, _ = sync
@@ -955,7 +907,7 @@ class PeriodicSyncStrategy(CommStrategy):
         return {
             **super().state_dict(),
             "started": self.started,
-            "block_start": list(self._block_start),
+            **self.schedule.state_dict(),
             "outer": None if self.outer is None else self.outer.state_dict(),
             "inflight": inflight,
             # fault tolerance: the torchft Manager's committed step and batches (a full restart
@@ -984,15 +936,7 @@ class PeriodicSyncStrategy(CommStrategy):
         planned. Called before it lands, before either state is read for a checkpoint (the
         background thread is still writing the quantization residuals), and by a benchmark that
         must not let an exchange overlap anything but training."""
-        if self._inflight is not None and self._inflight.future is not None:
-            waiting = time.perf_counter()
-            try:
-                self._inflight.nonfinite = self._inflight.future.result()
-            finally:  # the loop's wait for the background thread (its collectives count as background)
-                self.comm_stats.record_wait("weights", time.perf_counter() - waiting)
-            self._inflight.future = None
-            if self._side_stream is not None:  # everything the thread queued is before this point
-                torch.cuda.current_stream(self._side_stream.device).wait_stream(self._side_stream)
+        self._runner.join(self._inflight, self.comm_stats)
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
@@ -1029,7 +973,7 @@ class PeriodicSyncStrategy(CommStrategy):
             self.exchange.check_state(residuals, {self.param_name(p): local(p).shape for p in self.params})
         super().load_state_dict(state, rank_state)
         self.started = bool(state["started"])
-        self._block_start = [int(b) for b in state["block_start"]]
+        self.schedule.load_state_dict(state)
         if self.replicas is not None:
             self.replicas.load_state_dict(state.get("replicas"))
         self.outer = None
@@ -1040,7 +984,7 @@ class PeriodicSyncStrategy(CommStrategy):
         self._inflight = None
         if saved is not None:
             grad = saved["grad"].to(self.root_device, torch.float32)
-            self._inflight = _Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
+            self._inflight = Exchange(int(saved["fragment"]), int(saved["started_at"]), int(saved["apply_at"]), grad)
             self._inflight.nonfinite = saved.get("nonfinite")
             launched = rank_state.get("launched")
             if launched is not None and self.keep_local_progress:
@@ -1078,25 +1022,6 @@ class PeriodicSyncStrategy(CommStrategy):
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def fragment_bounds(sizes: list[int], num_fragments: int) -> list[tuple[int, int]]:
-    """Cut tensors of ``sizes`` (in order) into ``num_fragments`` contiguous non-empty runs of about
-    equal total size; returns ``[begin, end)`` index pairs."""
-    total = sum(sizes)
-    bounds, begin, acc = [], 0, 0
-    for k in range(num_fragments - 1):
-        target = total * (k + 1) / num_fragments
-        end = begin + 1  # at least one tensor
-        acc += sizes[begin]
-        # grow while the next tensor brings the running total closer to the target, leaving one per later run
-        while end < len(sizes) - (num_fragments - 1 - k) and abs(acc + sizes[end] - target) <= abs(acc - target):
-            acc += sizes[end]
-            end += 1
-        bounds.append((begin, end))
-        begin = end
-    bounds.append((begin, len(sizes)))
-    return bounds
 
 
 def step_schedulers_once(trainer: Any) -> None:

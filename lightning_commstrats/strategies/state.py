@@ -23,16 +23,13 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_commstrats._logging import log_rank_zero
-
-if TYPE_CHECKING:
-    from lightning_commstrats.strategies.base import CommStrategy
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +40,11 @@ COUNTER_TYPES = (int, float, bool)  # the strategy's plain attributes a snapshot
 
 class StateStore:
     """Snapshots and checkpoint files of ``strategy``'s own state, each a transaction that first waits
-    for the work in flight (see the module docstring)."""
+    for the work in flight (see the module docstring). ``strategy`` is the
+    :class:`~lightning_commstrats.strategies.base.CommStrategy` that holds it (its state dicts,
+    ``reducer``, ``wait_for_exchange``, ``resume_mismatch``, ranks and ``checkpoint_io`` are read)."""
 
-    def __init__(self, strategy: CommStrategy) -> None:
+    def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         self.pending: dict[str, Any] | None = None  # read from a checkpoint, applied when training starts
 

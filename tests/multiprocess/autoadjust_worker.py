@@ -146,9 +146,9 @@ def gate_exchanges(strategy: Any) -> None:
 
 def drain(strategy: Any) -> None:
     """Let the strategy's exchange thread finish what it was given (an exchange dropped without a wait)."""
-    pool = getattr(strategy, "_pool", None)
-    if pool is not None:
-        pool.submit(lambda: None).result()
+    runner = getattr(strategy, "_runner", None)
+    if runner is not None:
+        runner.drain()
 
 
 class Probe(AutoAdjust):

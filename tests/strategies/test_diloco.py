@@ -7,7 +7,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_commstrats import BMUFStrategy, DiLoCoStrategy, ModelAveragingStrategy, StreamingDiLoCoStrategy
 from lightning_commstrats.strategies.base import STATE_KEY
-from lightning_commstrats.strategies.periodic import fragment_bounds
+from lightning_commstrats.strategies.fragments import fragment_bounds
 
 
 @pytest.mark.parametrize(
@@ -155,7 +155,7 @@ def test_after_the_final_sync_fragments_take_turns_again_and_a_resumed_run_goes_
     strategy = StreamingDiLoCoStrategy(sync_period=8, num_fragments=2, fragment_sync_delay=1)
     trainer = _trainer(strategy, steps=5)
     trainer.fit(BoringModel())
-    assert strategy._block_start == [1, 5]  # as at a start from step 5: fragment 0 due at 9, fragment 1 at 13
+    assert strategy.schedule.block_start == [1, 5]  # as at a start from step 5: fragment 0 due at 9, fragment 1 at 13
     trainer.save_checkpoint(tmp_path / "end.ckpt")
     resumed = StreamingDiLoCoStrategy(sync_period=8, num_fragments=2, fragment_sync_delay=1)
     _trainer(resumed, steps=20).fit(BoringModel(), ckpt_path=tmp_path / "end.ckpt")
