@@ -606,7 +606,9 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if floats:
             # half-precision buffers are summed in fp32 (a bf16 sum of ranks' statistics rounds twice)
             wide = [b if b.element_size() >= 4 else b.float() for b in floats]
-            self.all_reduce_fused(wide, tag=tag, names=[f"buffer{i}" for i in range(len(wide))], route=BUFFERS)
+            named = {id(b): n for n, b in self.lightning_module.named_buffers()}
+            names = [named.get(id(b), f"buffer {i}") for i, b in enumerate(floats)]
+            self.all_reduce_fused(wide, tag=tag, names=names, route=BUFFERS)
             for b, w in zip(floats, wide, strict=True):
                 if w is not b:
                     b.copy_(w)
