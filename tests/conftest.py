@@ -33,3 +33,24 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def one_rank_mesh(monkeypatch):
+    """A 1-D CPU device mesh over a one-rank gloo group in this process (FSDP2 needs one); a group
+    another test left for the process is reused, as the strategies' sharding does."""
+    import torch.distributed as dist
+    from harness import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield init_device_mesh("cpu", (1,))
+        return
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

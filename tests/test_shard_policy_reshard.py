@@ -4,8 +4,6 @@ forward, the root keeps its parameters gathered for backward, one all-gather a s
 
 import pytest
 import torch
-import torch.distributed as dist
-from harness import free_port
 from torch import nn
 
 from lightning_commstrats.sharding import ShardPolicy, apply_fsdp
@@ -24,20 +22,8 @@ class Net(nn.Module):
 
 
 @pytest.fixture
-def mesh(monkeypatch):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():  # a one-rank group another test left for the process (as Sharding does)
-        assert dist.get_world_size() == 1
-        yield init_device_mesh("cpu", (1,))
-        return
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 def _gathered_after_forward(mesh, policy: ShardPolicy) -> tuple[bool, list[bool]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,4 +32,14 @@ def connect(backend: str = "gloo") -> Communicator:
 def finish(comm: Communicator) -> None:
     """Leave together: a rank that exits while a peer's gloo threads still talk to it aborts that peer."""
     comm.barrier()
+    destroy_process_group()
+
+
+def save_and_leave(results: Any, out: Path) -> None:
+    """A Trainer worker's end: save this rank's ``results`` as ``out/rank<r>.pt``, then leave with
+    the others (gloo's threads torn down by one rank's exit can abort a peer still talking to it)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.save(results, out / f"rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     destroy_process_group()

@@ -21,11 +21,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from rank_env import save_and_leave
 from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_commstrats
-from lightning_commstrats.comm import destroy_process_group
 from lightning_commstrats.sharding import local
 
 
@@ -133,12 +133,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
     assert "allreduce" in L.pytorch.strategies.StrategyRegistry, lightning_commstrats.__name__
-    results = {name: run(sc) for name, sc in spec["scenarios"].items()}
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    torch.save(results, out / f"rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    destroy_process_group()
+    save_and_leave({name: run(sc) for name, sc in spec["scenarios"].items()}, out)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,6 @@ local tensors that are always the shards (resharded after a forward that left th
 
 import pytest
 import torch
-import torch.distributed as dist
-from harness import free_port
 from torch import nn
 
 from lightning_commstrats.sharding import ShardPolicy, apply_fsdp, local
@@ -38,20 +36,8 @@ def test_names_kinds_and_tied_parameters():
 
 
 @pytest.fixture
-def mesh(monkeypatch):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():  # a one-rank group another test left for the process
-        assert dist.get_world_size() == 1
-        yield init_device_mesh("cpu", (1,))
-        return
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 def test_local_tensors_are_the_shards_and_what_is_written_there_is_what_the_next_forward_uses(mesh):
