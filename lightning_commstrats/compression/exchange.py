@@ -402,7 +402,13 @@ class GradientCompression:
 
     def bind(self, comm: Communicator, bucket_cap_mb: float, average: Average | None = None) -> TensorExchange:
         """The exchange over ``comm`` (made on first use; residuals start at zero); ``average``
-        averages its fp32 buckets (a two-level all-reduce)."""
+        averages its fp32 buckets (a two-level all-reduce): every call must give the same (a restore
+        that bound it without the hop would send every later fp32 bucket past it)."""
+        if self.exchange is not None and average is not self.exchange.fused.average:
+            raise ValueError(
+                f"the exchange was bound with average={self.exchange.fused.average!r}, now with {average!r}:"
+                " bind it alike everywhere"
+            )
         if self.exchange is None:
             self.exchange = TensorExchange(
                 comm,

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, BucketKey
-from lightning_commstrats.compression.exchange import GradientCompression
+from lightning_commstrats.compression.exchange import GradientCompression, TensorExchange
 from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT, CommStrategy
 
@@ -98,7 +98,7 @@ class AllReduceStrategy(CommStrategy):
     def exchange_compressed(self, compression: GradientCompression, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` through ``compression``: quantized matrices (after its
         warm start) and fp32 small tensors."""
-        compression.bind(self.replica_comm, self.bucket_cap_mb, average=self.two_level)
+        self.bind_compression(compression)
         bad = compression.average(
             {self.param_name(p): local(dense_grad(p)) for p in params},
             samples_seen=self._samples_at_step * self.world_size,
@@ -133,7 +133,14 @@ class AllReduceStrategy(CommStrategy):
     def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:
         """Raise ``ValueError`` when a checkpoint's residuals do not fit this model and world."""
         shapes = {n: local(p).shape for n, p in self.lightning_module.named_parameters()}
-        compression.bind(self.replica_comm, self.bucket_cap_mb).check_state(rank_state, shapes)
+        self.bind_compression(compression).check_state(rank_state, shapes)
+
+    def bind_compression(self, compression: GradientCompression) -> TensorExchange:
+        """``compression``'s exchange over this strategy's replicas, its fp32 buckets through the
+        two-level all-reduce or slow hop where there is one. The one place it is bound: the exchange
+        is made at the first call, so a restore that bound it otherwise before the first step would
+        have sent every later step's fp32 buckets past the hop."""
+        return compression.bind(self.replica_comm, self.bucket_cap_mb, average=self.two_level)
 
 
 def dense_grad(p: torch.nn.Parameter) -> Tensor:

@@ -345,7 +345,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
                 raise ValueError(f"its experts {name!r} {tuple(value.shape)} do not fit this model")
         self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
-        self.compression.bind(self.comm, self.bucket_cap_mb).load_state_dict(rank_state)
+        self.bind_compression(self.compression).load_state_dict(rank_state)
         with torch.no_grad():
             for name, value in rank_state["experts"].items():
                 params[name].copy_(value)

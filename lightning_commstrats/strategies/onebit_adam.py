@@ -315,7 +315,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
         self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
         self.adam.load_state_dict(state.get("onebit_adam", {}))
-        self.compression.bind(self.replica_comm, self.bucket_cap_mb).load_state_dict(rank_state)
+        self.bind_compression(self.compression).load_state_dict(rank_state)
 
     @override
     def reset_state(self) -> None:

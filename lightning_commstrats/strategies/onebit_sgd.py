@@ -143,7 +143,7 @@ class OneBitSGDStrategy(AllReduceStrategy):
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
-        self.compression.bind(self.replica_comm, self.bucket_cap_mb).load_state_dict(rank_state)
+        self.bind_compression(self.compression).load_state_dict(rank_state)
 
     @override
     def reset_state(self) -> None:

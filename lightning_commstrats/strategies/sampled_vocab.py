@@ -299,7 +299,7 @@ class SampledVocabStrategy(AllReduceStrategy):
                 raise ValueError(f"its vocabulary residual {name!r} {tuple(res.shape)} does not fit this model")
         self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
-        self.compression.bind(self.comm, self.bucket_cap_mb).load_state_dict(rank_state)
+        self.bind_compression(self.compression).load_state_dict(rank_state)
         self._residuals = dict(rank_state.get("vocab_residuals", {}))
 
     @override

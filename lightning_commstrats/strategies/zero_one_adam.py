@@ -591,7 +591,7 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
                 )
         super().load_state_dict(state, rank_state)
         self.adam.load_state_dict(saved, own, self.root_device)
-        self.compression.bind(self.replica_comm, self.bucket_cap_mb).load_state_dict(residuals)
+        self.bind_compression(self.compression).load_state_dict(residuals)
         if self.adam.open:
             with torch.no_grad():
                 for p in self._own_weights():

@@ -44,16 +44,8 @@ QUICK = {
     ]
 }
 
-# Defects being fixed elsewhere right now: a case that meets one is expected to fail (not strictly).
+# Open defects the matrix found: a case that meets one is expected to fail (not strictly).
 KNOWN: list[tuple[Any, str]] = [
-    (
-        lambda c: c["slow_hop_bits"] != "32" and c["model"] == "batchnorm" and c["shard"] == "none",
-        "known defect (2): buffers are averaged through the quantized slow hop",
-    ),
-    (
-        lambda c: c["batching"] == "AutoAdjust" and c["scheme"] == "streaming_diloco",
-        "known defect (4): AutoAdjust rolls back with a background exchange in flight",
-    ),
     (
         lambda c: (
             c["front"] == "fabric" and c["shard"] != "none" and (c["resume"] != "off" or c["validation"] != "off")
