@@ -4,7 +4,8 @@ Usage: ``matrix_worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"case": {axis: value},
 (see :mod:`lightning_commstrats.support`). The case is trained as ``main`` (with validation during fit
 and checkpoints every 3 optimizer steps when the case asks for them); as ``reference`` without either,
 when the case has one; and as ``resumed`` from ``main``'s checkpoint at step 6 (the middle of a period of
-4), when the case resumes (validating as ``main`` does; an epoch is 6 steps: Lightning resumes bit for bit at an epoch's end).
+4), when the case resumes (validating as ``main`` does; an epoch is 6 steps: Lightning resumes bit
+for bit at an epoch's end).
 This rank saves ``OUT_DIR/rank<r>.pt``: per run, the final state dict (whole
 tensors), the state dict before training, the buffers before the end of fit, the tensors the scheme
 says every rank of a replica group holds alike (``replicated``) and that group (``replica_key``).
@@ -257,13 +258,14 @@ def main() -> None:
     if case["resume"] != "off":
         runs.append("resumed")
     results: dict[str, Any] = {}
+    # the runs share one process group (a Fabric run's launch finds it and joins it, as the Trainer's does):
+    # destroyed and made anew between sharded Fabric runs, rank 0 went on into the next run's
+    # collectives while rank 1 still waited in init_process_group, until the collective timeout
     for run in runs:
         began = time.perf_counter()
         front = run_trainer if case["front"] == "trainer" else run_fabric
         results[run] = front(case, settings, run, out, rank)
         results[run]["seconds"] = time.perf_counter() - began
-        if case["front"] == "fabric":  # Fabric's launch connects anew; the Trainer reuses the group
-            destroy_process_group()
     torch.save(results, out / f"rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

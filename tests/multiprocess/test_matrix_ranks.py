@@ -44,17 +44,9 @@ QUICK = {
     ]
 }
 
-# Open defects the matrix found: a case that meets one is expected to fail (not strictly).
-KNOWN: list[tuple[Any, str]] = [
-    (
-        lambda c: (
-            c["front"] == "fabric" and c["shard"] != "none" and (c["resume"] != "off" or c["validation"] != "off")
-        ),
-        "found by the matrix, not yet understood (defect (3) for a periodic scheme with validation?): Fabric with"
-        " shard='fsdp' and a checkpoint or an evaluation in global_model() hangs until the collective timeout,"
-        " one rank in an FSDP all-gather of a forward while the other has gone on",
-    ),
-]
+# Open defects the matrix found: a case that meets one is expected to fail (not strictly). None now;
+# each found so far was fixed (see the CHANGELOG).
+KNOWN: list[tuple[Any, str]] = []
 
 
 def _params(c: dict[str, str]) -> Any:
