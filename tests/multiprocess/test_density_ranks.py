@@ -119,7 +119,8 @@ def test_a_run_resumed_mid_schedule_ends_bit_for_bit_as_the_uninterrupted_one():
         assert resumed["weights_sparse/bytes_sent"] < straight["weights_sparse/bytes_sent"]
 
 
-@pytest.mark.parametrize("unit", ["samples", "steps"])
+# samples (the unit the defect was in) quick; steps in the slow suite (the quick suite's budget)
+@pytest.mark.parametrize("unit", ["samples", pytest.param("steps", marks=pytest.mark.slow)])
 def test_the_kth_sync_keeps_the_kth_density_whatever_the_period_unit(unit):
     # batches of 4: a period of 10 samples puts the syncs after steps 3, 6, 9 (12, 24, 36 samples), a
     # period of 3 steps at the same steps. The schedule [64, 16] then 4 must give those three syncs

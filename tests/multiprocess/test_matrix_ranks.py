@@ -33,14 +33,14 @@ RUN = [c for c in CASES if support.case_status(c) == "supported"]
 # Sharded in two groups on 4 ranks (groups of 2): the first two such cases; the others use 2 ranks in
 # groups of 1 (the machine has two cores).
 FOUR = {support.case_id(c) for c in [c for c in RUN if c["shard"] == "fsdp-2groups"][:2]}
-# The quick suite's cases (under a minute on two shared cores): a resumed gradient scheme, a periodic
-# scheme with validation and buffers, Fabric.
+# The quick suite's cases (about half a minute on two shared cores): a resumed gradient scheme, a
+# periodic scheme with validation and buffers (Fabric's cases run in the slow suite, beside
+# tests/multiprocess/test_fabric_ranks.py's quick ones).
 QUICK = {
     support.case_id(c)
     for c in [
         next(c for c in RUN if c["resume"] != "off" and c["scheme"] == "allreduce" and c["front"] == "trainer"),
         next(c for c in RUN if c["scheme"] in ("diloco", "bmuf") and c["model"] == "batchnorm"),
-        next(c for c in RUN if c["front"] == "fabric" and c["shard"] == "none" and c["scheme"] in support.GRADIENT),
     ]
 }
 
