@@ -12,15 +12,17 @@ BASE = {"experts": 4, "tokens": 24, "d": 8, "f": 16}
 
 @pytest.mark.parametrize(
     ("world", "dp", "ep", "inner", "top_k", "balance", "policy"),
+    # about 10 s each: the quick suite keeps one of each layout (2 ranks, ep over 4, inner "ep") and
+    # the precision; the other balances and top-2 layouts run in the slow suite
     [
         (2, 1, 2, "dp", 1, "aux", None),
-        (2, 1, 2, "dp", 2, "capacity", None),
+        pytest.param(2, 1, 2, "dp", 2, "capacity", None, marks=pytest.mark.slow),
         (4, 1, 4, "dp", 1, "swipe", None),
-        (4, 2, 2, "dp", 2, "aux", None),
+        pytest.param(4, 2, 2, "dp", 2, "aux", None, marks=pytest.mark.slow),
         (4, 2, 2, "ep", 1, "capacity", None),
         (2, 1, 2, "dp", 2, "aux", "bf16"),  # layered precision: experts and the all-to-all in bf16
-        (2, 1, 2, "dp", 2, "bias", None),
-        (4, 2, 2, "ep", 1, "bias", None),
+        pytest.param(2, 1, 2, "dp", 2, "bias", None, marks=pytest.mark.slow),
+        pytest.param(4, 2, 2, "ep", 1, "bias", None, marks=pytest.mark.slow),
     ],
 )
 def test_sharded_forward_and_backward_equal_the_single_process_layer(world, dp, ep, inner, top_k, balance, policy):

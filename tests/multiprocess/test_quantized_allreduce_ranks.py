@@ -36,7 +36,8 @@ CASES = [
     pytest.param(1, "uniform", 4, marks=pytest.mark.slow),
     pytest.param(2, "uniform", 4, marks=pytest.mark.slow),
     (4, "uniform", 4),
-    (4, "e3m0", 4),
+    (4, "e3m0", 2),  # the 4-bit float on 2 ranks in the quick suite, on 4 in the slow one
+    pytest.param(4, "e3m0", 4, marks=pytest.mark.slow),
     (8, "uniform", 2),
     (16, "uniform", 2),
 ]
