@@ -24,13 +24,13 @@ from typing import Any
 
 import lightning as L
 import torch
+from rank_env import save_and_leave
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_commstrats
 from lightning_commstrats import AutoAdjust
 from lightning_commstrats.batching import in_trial, resize
-from lightning_commstrats.comm import destroy_process_group
 
 
 class Numbered(Dataset):
@@ -230,10 +230,7 @@ def main() -> None:
     results, rank = {}, 0
     for name, scenario in spec["scenarios"].items():
         rank, results[name] = run_scenario(scenario)
-    torch.save(results, out / f"rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    destroy_process_group()
+    save_and_leave(results, out, rank)
 
 
 if __name__ == "__main__":

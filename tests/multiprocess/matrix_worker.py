@@ -29,13 +29,13 @@ from typing import Any
 import lightning as L
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from rank_env import save_and_leave
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 from worker import MODELS, BuffersAtEnd
 
 import lightning_commstrats
 from lightning_commstrats import support
-from lightning_commstrats.comm import destroy_process_group
 from lightning_commstrats.fabric import FabricStrategy, scheme_class
 from lightning_commstrats.models.module import lm_loss
 
@@ -266,10 +266,7 @@ def main() -> None:
         front = run_trainer if case["front"] == "trainer" else run_fabric
         results[run] = front(case, settings, run, out, rank)
         results[run]["seconds"] = time.perf_counter() - began
-    torch.save(results, out / f"rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    destroy_process_group()
+    save_and_leave(results, out, rank)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from rank_env import save_and_leave
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_commstrats  # noqa: F401 - registers the strategy names
-from lightning_commstrats.comm import destroy_process_group
 from lightning_commstrats.sharding import local
 
 
@@ -155,10 +155,7 @@ def main() -> None:
         trainer.fit(model)
         rank = trainer.global_rank
         results[name] = {"steps": record.steps, "shapes": [tuple(local(p).shape) for p in model.parameters()]}
-    torch.save(results, out / f"rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    destroy_process_group()
+    save_and_leave(results, out, rank)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ from typing import Any
 
 import lightning as L
 import torch
+from rank_env import save_and_leave
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_commstrats
 from lightning_commstrats.batching.noise_scale import GradientNoiseScale
-from lightning_commstrats.comm import destroy_process_group
 
 
 class Regression(L.LightningModule):
@@ -133,10 +133,7 @@ def main() -> None:
     rank = 0
     for name, scenario in spec["scenarios"].items():
         rank, results[name] = run_scenario(scenario)
-    torch.save(results, out / f"rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    destroy_process_group()
+    save_and_leave(results, out, rank)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,10 @@ def finish(comm: Communicator) -> None:
     destroy_process_group()
 
 
-def save_and_leave(results: Any, out: Path) -> None:
-    """A Trainer worker's end: save this rank's ``results`` as ``out/rank<r>.pt``, then leave with
-    the others (gloo's threads torn down by one rank's exit can abort a peer still talking to it)."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+def save_and_leave(results: Any, out: Path, rank: int) -> None:
+    """A Trainer or Fabric worker's end: save rank ``rank``'s ``results`` as ``out/rank<r>.pt``, then
+    leave with the others (gloo's threads torn down by one rank's exit, at interpreter exit, can abort
+    a peer still talking to it: "terminate called without an active exception")."""
     torch.save(results, out / f"rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

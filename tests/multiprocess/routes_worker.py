@@ -133,7 +133,8 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
     assert "allreduce" in L.pytorch.strategies.StrategyRegistry, lightning_commstrats.__name__
-    save_and_leave({name: run(sc) for name, sc in spec["scenarios"].items()}, out)
+    results = {name: run(sc) for name, sc in spec["scenarios"].items()}
+    save_and_leave(results, out, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from rank_env import save_and_leave
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_commstrats  # noqa: F401  (registers the strategies)
-from lightning_commstrats.comm import destroy_process_group
 from lightning_commstrats.sharding import is_dtensor, local
 
 VOCAB, DIM, SEQ = 64, 32, 8
@@ -278,10 +278,7 @@ def main() -> None:
     for name, scenario in spec["scenarios"].items():
         run = run_fabric if scenario.get("front") == "fabric" else run_scenario
         rank, results[name] = run(name, scenario, out, rank_hint)
-    torch.save(results, out / f"rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    destroy_process_group()
+    save_and_leave(results, out, rank)
 
 
 if __name__ == "__main__":

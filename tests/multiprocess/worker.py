@@ -51,13 +51,13 @@ import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning_utilities.core.apply_func import apply_to_collection
+from rank_env import save_and_leave
 from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_commstrats
 from lightning_commstrats import CommStatsMonitor
 from lightning_commstrats.callbacks import format_summary
-from lightning_commstrats.comm import destroy_process_group
 from lightning_commstrats.data import StreamWindows
 from lightning_commstrats.models import LanguageModel
 
@@ -641,12 +641,7 @@ def main() -> None:
     rank = 0
     for name, scenario in spec["scenarios"].items():
         rank, results[name] = run_scenario(name, scenario, out)
-    torch.save(results, out / f"rank{rank}.pt")
-    # gloo's threads torn down by interpreter exit can abort the process ("terminate called
-    # without an active exception", seen once in many runs): leave together, group taken down
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    destroy_process_group()
+    save_and_leave(results, out, rank)
 
 
 if __name__ == "__main__":
