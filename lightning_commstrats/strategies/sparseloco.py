@@ -290,7 +290,8 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
         done, h, f = self._progress() - self.parallelization_start, self.sync_period, self.num_fragments
         return [max(0, (done - (k + 1) * h // f) // h + 1) if done >= (k + 1) * h // f else 0 for k in range(f)]
 
-    def _set_kept_for(self, fragment: int, index: int) -> None:
+    def _set_kept_for(self, index: int) -> None:
+        """The values kept per tile at sync ``index`` of the schedule, set on the exchange."""
         if self.density is not None:  # set in this thread, before the exchange's thread reads it
             self.kept_now = self.density.kept(index, self.run_syncs)
             self._set_kept(self._exchange)
@@ -307,7 +308,7 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
 
     @override
     def _launch(self, fragment: int, background: bool) -> None:
-        self._set_kept_for(fragment, self.sync_index(fragment))
+        self._set_kept_for(self.sync_index(fragment))
         # counted before the launch: the state offered to a replica that heals inside this sync holds it
         self.density_syncs[fragment] += 1
         super()._launch(fragment, background)
@@ -338,7 +339,7 @@ class SparseLoCoStrategy(PeriodicSyncStrategy):
     def join_sync(self, state: dict[str, Any]) -> Any:
         pending = super().join_sync(state)
         # the sync it joins keeps what its peers' launch kept (their count includes that launch)
-        self._set_kept_for(pending.fragment, max(self.density_syncs[pending.fragment] - 1, 0))
+        self._set_kept_for(max(self.density_syncs[pending.fragment] - 1, 0))
         return pending
 
     @override
