@@ -47,6 +47,16 @@ from lightning_commstrats.advisor.command import (
     model_from_json,
     optimizer_from_config,
 )
+from lightning_commstrats.advisor.fsdp import (
+    MEMORY_OVERHEAD,
+    FsdpTraffic,
+    FsdpUnits,
+    fsdp_traffic,
+    fsdp_transient,
+    fsdp_units,
+    peak_per_rank,
+    units_by_size,
+)
 from lightning_commstrats.advisor.grid import advise, default_settings, departure, mib, recommend, table
 from lightning_commstrats.advisor.inputs import (
     OUT_OF_SCOPE,
@@ -67,17 +77,23 @@ from lightning_commstrats.advisor.predict import (
 from lightning_commstrats.advisor.schedule import gathered_exchange_bytes, sparse_exchange_bytes
 
 __all__ = [
+    "MEMORY_OVERHEAD",
     "OUT_OF_SCOPE",
     "SCHEMES",
     "SETTINGS",
     "SHARDABLE",
     "Candidate",
+    "FsdpTraffic",
+    "FsdpUnits",
     "Memory",
     "advise",
     "default_settings",
     "departure",
     "expected_distinct",
     "expected_sampled_rows",
+    "fsdp_traffic",
+    "fsdp_transient",
+    "fsdp_units",
     "gathered_exchange_bytes",
     "main",
     "measure_bandwidth",
@@ -87,10 +103,12 @@ __all__ = [
     "model_from_json",
     "model_shape",
     "optimizer_from_config",
+    "peak_per_rank",
     "predict",
     "recommend",
     "sparse_exchange_bytes",
     "table",
+    "units_by_size",
     "vocabulary_of",
     "zipf_probabilities",
 ]
