@@ -165,7 +165,12 @@ class CommStatsMonitor(Callback):
             memory = getattr(trainer.strategy, "memory_stats", None)
             if memory is not None:  # what this rank holds, by kind, from the tensors' storages
                 figures["memory"] = memory()
-                summary += f"\n[memory] rank {trainer.global_rank}: {format_memory(figures['memory'])}"
+                # and what the process held at its peak, as the operating system and the device count it
+                process = getattr(trainer.strategy, "process_memory_stats", None)
+                if process is not None:
+                    figures["process_memory"] = process()
+                shown = format_memory(figures["memory"], figures.get("process_memory"))
+                summary += f"\n[memory] rank {trainer.global_rank}: {shown}"
         if self.summary_at_end:
             rank_zero_info(summary)
         if self.save_dir is not None:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_commstrats.sharding.layout import local
+from lightning_commstrats.sharding.process_memory import format_process_memory
 
 KINDS = ("parameters", "gradients", "optimizer", "scheme")
 
@@ -85,8 +86,10 @@ def total_bytes(report: dict[str, dict[str, int]], kinds: Iterable[str] = KINDS)
     return sum(sum(report[k].values()) for k in kinds)
 
 
-def format_memory(report: dict[str, dict[str, int]]) -> str:
-    """One line: MiB per kind (with the device when not every tensor is on one)."""
+def format_memory(report: dict[str, dict[str, int]], process: dict[str, dict[str, Any]] | None = None) -> str:
+    """One line: MiB per kind (with the device when not every tensor is on one); then, given
+    ``process`` (:meth:`~lightning_commstrats.sharding.process_memory.ProcessMemory.stats`), what the
+    process held at its peak, after ``|``."""
     devices = {d for by_device in report.values() for d in by_device}
     parts = []
     for kind in KINDS:
@@ -97,4 +100,7 @@ def format_memory(report: dict[str, dict[str, int]]) -> str:
             shown = f"{sum(by_device.values()) / 2**20:.1f}"
         parts.append(f"{kind} {shown}")
     where = f" MiB on {next(iter(devices))}" if len(devices) == 1 else " MiB"
-    return ", ".join(parts) + where
+    line = ", ".join(parts) + where
+    if process:
+        line += " | " + format_process_memory(process)
+    return line

@@ -1,0 +1,283 @@
+"""Memory as the operating system and the device count it: what this process holds at its peak, over the
+whole run and within named phases (training, the sync), and the allocator setting that makes it follow
+the live tensors on the host.
+
+:func:`~lightning_commstrats.sharding.memory.memory_by_kind` counts the tensors of the training state.
+What a rank runs out of is more: activations, FSDP2's gathered units, buffers of an exchange in flight
+and the allocator's slack. Counters (bytes):
+
+- ``rss``: the process's resident set on Linux (``VmRSS`` now, ``VmHWM`` the kernel's peak, from
+  ``/proc/self/status``); elsewhere only the peak, from ``getrusage``;
+- ``allocated`` / ``reserved``: on a CUDA device, ``torch.cuda.max_memory_allocated`` (tensors) and
+  ``max_memory_reserved`` (what the caching allocator took from the driver).
+
+A phase's peak needs the counters' peaks reset when it begins: ``clear_refs`` (writing ``5`` to
+``/proc/self/clear_refs`` sets ``VmHWM`` to the resident set now; Linux 4.0+) and
+``torch.cuda.reset_peak_memory_stats``. Every reading and every reset first folds the peak so far into
+the run's peak and into every phase still open, so the run's peak is never lost to a reset and an outer
+phase keeps the peak of an inner one. Where ``clear_refs`` cannot be written (another kernel, a
+read-only ``/proc``), the run's peak is still known and the phases' ``rss`` figures are ``None``, with
+the reason in :attr:`ProcessMemory.phase_note`.
+
+Cost: a phase boundary reads ``/proc/self/status`` (one read of about 1.5 kB) and writes one byte to
+``clear_refs``, some 20 microseconds in all here; resetting the kernel's peak walks no page tables
+(``5`` only resets the counter). That is cheap enough to wrap every step's gradient exchange.
+
+On the host, glibc's defaults keep freed memory: after the process frees a block larger than the mmap
+threshold (128 KiB at start), glibc raises the threshold to that size (up to 32 MiB), so later tensors
+of up to that size come from the heap, and a heap block freed below one still in use stays resident.
+The peak then tracks the most ever held rather than the live tensors. :func:`fix_mmap_threshold`
+fixes the threshold in a running process (as ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment does
+at start). No Lightning here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+COUNTERS = ("rss", "allocated", "reserved")
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+DEFAULT_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value
+
+
+def _status() -> dict[str, int] | None:
+    """``VmRSS`` and ``VmHWM`` in bytes, or None without ``/proc/self/status``."""
+    try:
+        with open(_STATUS, "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        if line.startswith((b"VmRSS:", b"VmHWM:")):
+            key, value = line.split(b":", 1)
+            found[key.decode()] = int(value.split()[0]) * 1024  # the kernel writes kB
+    return found if len(found) == 2 else None
+
+
+def _rusage_peak() -> int | None:
+    """The process's peak resident set from ``getrusage`` (kB on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _reset_kernel_peak() -> str | None:
+    """Reset ``VmHWM`` to the resident set now; the reason it cannot be, or None."""
+    try:
+        with open(_CLEAR_REFS, "wb") as f:
+            f.write(b"5")
+    except OSError as e:
+        return f"the kernel's peak cannot be reset ({_CLEAR_REFS}: {e.strerror or e})"
+    return None
+
+
+class ProcessMemory:
+    """The peak memory this process holds on the host (``rss``) and on a CUDA ``device`` (``allocated``,
+    ``reserved``), over the run and within named phases (see the module docstring).
+
+    Phases nest: :meth:`begin` / :meth:`end`, or :meth:`phase` as a context manager. A phase entered
+    again keeps the largest peak of all its entries. Not thread-safe: call it from the training loop's
+    thread (memory taken by another thread still counts, in whichever phase is open then).
+
+    Args:
+        device: the rank's device; a CUDA device adds the caching allocator's counters. None: the host.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        status = _status()
+        self._linux = status is not None
+        self.phase_note: str | None = None
+        """Why the phases' ``rss`` peaks are not known (None: they are)."""
+        if not self._linux:
+            self.phase_note = f"{_STATUS} cannot be read on this system"
+        self.start: dict[str, int | None] = self._now()
+        """The counters when the tracker was made (bytes)."""
+        self.peak: dict[str, int] = {}
+        """The largest value of each counter seen so far, from the start of the process (bytes)."""
+        self.phase_peaks: dict[str, dict[str, int | None]] = {}
+        """Per phase name, the largest value of each counter within any of its entries (bytes)."""
+        self._open: list[tuple[str, dict[str, int]]] = []
+        self._fold()
+
+    def _counters(self) -> tuple[str, ...]:
+        return COUNTERS if self._cuda else COUNTERS[:1]
+
+    def _now(self) -> dict[str, int | None]:
+        status = _status()
+        now: dict[str, int | None] = {"rss": status["VmRSS"] if status else None}
+        if self._cuda:
+            now["allocated"] = torch.cuda.memory_allocated(self.device)
+            now["reserved"] = torch.cuda.memory_reserved(self.device)
+        return now
+
+    def _peaks_since_reset(self) -> dict[str, int]:
+        status = _status()
+        peak = status["VmHWM"] if status else _rusage_peak()
+        peaks = {} if peak is None else {"rss": peak}
+        if self._cuda:
+            peaks["allocated"] = torch.cuda.max_memory_allocated(self.device)
+            peaks["reserved"] = torch.cuda.max_memory_reserved(self.device)
+        return peaks
+
+    def _fold(self) -> None:
+        """Fold the counters' peaks since their last reset into the run's and every open phase's."""
+        for counter, value in self._peaks_since_reset().items():
+            self.peak[counter] = max(self.peak.get(counter, 0), value)
+            for _, peaks in self._open:
+                peaks[counter] = max(peaks.get(counter, 0), value)
+
+    def _reset(self) -> None:
+        if self.phase_note is None:
+            self.phase_note = _reset_kernel_peak()
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def begin(self, name: str) -> None:
+        """Start phase ``name``: fold, reset the peaks, so that what follows is the phase's own."""
+        if any(open_name == name for open_name, _ in self._open):
+            raise ValueError(f"phase {name!r} is already open; end it first (open: {self.open_phases})")
+        self._fold()
+        self._reset()
+        self._open.append((name, {}))
+        self.phase_peaks.setdefault(name, {})  # phases are reported in the order they first began
+
+    def end(self, name: str) -> None:
+        """End phase ``name`` (the innermost open one) and keep its peak."""
+        if not self._open or self._open[-1][0] != name:
+            raise ValueError(f"phase {name!r} is not the innermost open phase (open: {self.open_phases})")
+        self._fold()
+        _, peaks = self._open.pop()
+        self._keep(name, peaks)
+
+    def close(self) -> None:
+        """End every open phase (innermost first): at teardown, or after a phase that raised."""
+        while self._open:
+            self.end(self._open[-1][0])
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """``with tracker.phase("sync"): ...``: :meth:`begin` and :meth:`end` around the block."""
+        self.begin(name)
+        try:
+            yield
+        finally:
+            self.end(name)
+
+    @property
+    def open_phases(self) -> list[str]:
+        """The phases begun and not ended, outermost first."""
+        return [name for name, _ in self._open]
+
+    def _keep(self, name: str, peaks: dict[str, int]) -> None:
+        kept = self.phase_peaks.setdefault(name, {})
+        for counter in self._counters():
+            if counter == "rss" and self.phase_note is not None:
+                kept[counter] = None  # the kernel's peak was not reset at the phase's start
+                continue
+            value = peaks.get(counter)
+            old = kept.get(counter)
+            kept[counter] = value if old is None else max(old, value or 0)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """``{counter: {"device", "start", "now", "peak", "phases": {name: bytes or None}}}`` (bytes;
+        ``rss`` on the host, ``allocated`` and ``reserved`` on a CUDA device). A phase still open
+        counts with its peak so far. Where the phases' ``rss`` is not known, ``rss`` has a ``"note"``."""
+        self._fold()
+        now = self._now()
+        phases = {name: dict(peaks) for name, peaks in self.phase_peaks.items()}
+        for name, open_peaks in self._open:
+            kept = phases.setdefault(name, {})
+            for counter in self._counters():
+                value = None if counter == "rss" and self.phase_note is not None else open_peaks.get(counter)
+                old = kept.get(counter)
+                kept[counter] = value if old is None or value is None else max(old, value)
+        out: dict[str, dict[str, Any]] = {}
+        for counter in self._counters():
+            if counter not in self.peak:  # no count of the host's memory on this system
+                continue
+            out[counter] = {
+                "device": "cpu" if counter == "rss" else str(self.device),
+                "start": self.start.get(counter),
+                "now": now.get(counter),
+                "peak": self.peak[counter],
+                "phases": {name: peaks.get(counter) for name, peaks in phases.items()},
+            }
+            if counter == "rss" and self.phase_note is not None:
+                out[counter]["note"] = self.phase_note
+        return out
+
+
+def fix_mmap_threshold(threshold: int = DEFAULT_MMAP_THRESHOLD, *, trim: bool = True) -> tuple[bool, str]:
+    """Fix glibc's mmap threshold in this running process, so that freed blocks above ``threshold``
+    bytes go back to the system and the resident set follows the live tensors (see the module
+    docstring). Setting it also turns off glibc's raising of the threshold after large frees. As
+    ``MALLOC_MMAP_THRESHOLD_=<threshold>`` in the environment at start; applies to every thread.
+
+    Args:
+        threshold: blocks of at least this many bytes are mapped on their own (glibc caps it at 32 MiB
+            on 64-bit systems).
+        trim: also hand back at once what the heap already holds free (``malloc_trim(0)``).
+
+    Returns:
+        ``(applied, why)``: False with the reason on a system without glibc (nothing done there).
+    """
+    if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold <= 0:
+        raise ValueError(f"threshold must be a positive number of bytes, got {threshold!r}")
+    try:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):
+        version = None
+    if not version or not version.startswith("glibc"):
+        return False, "not glibc: its mmap threshold does not apply (jemalloc or tcmalloc have their own settings)"
+    libc = ctypes.CDLL(None)
+    if libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
+        return False, f"{version} refused mallopt(M_MMAP_THRESHOLD, {threshold})"
+    if trim:
+        libc.malloc_trim(ctypes.c_size_t(0))
+    return True, f"{version}: mmap threshold fixed at {threshold} bytes"
+
+
+def format_bytes(n: int | None) -> str:
+    """``n`` bytes for a person: MiB below a GiB, else GiB; ``"?"`` for None."""
+    if n is None:
+        return "?"
+    if abs(n) < 2**30:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_process_memory(stats: dict[str, dict[str, Any]]) -> str:
+    """One line from :meth:`ProcessMemory.stats`: ``peak RSS 1.20 GiB (training 1.10 GiB, sync
+    912.0 MiB); cuda:0 peak allocated ..., reserved ...``."""
+    parts = []
+    labels = {"rss": "peak RSS", "allocated": "peak allocated", "reserved": "peak reserved"}
+    for counter in COUNTERS:
+        figures = stats.get(counter)
+        if figures is None:
+            continue
+        label = labels[counter] if counter == "rss" else f"{figures['device']} {labels[counter]}"
+        phases = figures.get("phases") or {}
+        if figures.get("note"):
+            within = f" (phases not measured: {figures['note']})" if phases else ""
+        else:
+            within = ", ".join(f"{name} {format_bytes(b)}" for name, b in phases.items())
+            within = f" ({within})" if within else ""
+        parts.append(f"{label} {format_bytes(figures['peak'])}{within}")
+    return "; ".join(parts)
