@@ -458,21 +458,26 @@ def test_the_command_prints_memory_per_rank_with_and_without_shard(tmp_path, cap
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("| # |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
-    assert columns[7:11] == [
-        "device MiB/rank",
-        "host MiB/rank",
-        "device MiB/rank, shard 2",
-        "host MiB/rank, shard 2",
+    assert columns[7:14] == [
+        "device/rank",
+        "host/rank",
+        "s/step, shard 2",
+        "in-group s/step (MB/rank)",
+        "cross-group s/step (MB/rank)",
+        "device/rank, shard 2",
+        "host/rank, shard 2",
     ]
     lines = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     rows = {line.split("|")[2].strip(): [c.strip() for c in line.strip("|").split("|")] for line in lines}
     p = 80448
     # allreduce: parameters, gradients, AdamW's two moments and its kept gradient buckets on the device, its
     # 3 step counts on the host
-    assert rows["allreduce"][7:11] == [advisor.mib(20 * p), "<0.001", advisor.mib(10 * p), "<0.001"]
-    assert rows["sampled_vocab"][9:11] == ["n/a", "n/a"]  # it does not run sharded
+    assert rows["allreduce"][7:9] == [advisor.readable(20 * p), "12 B"]
+    assert rows["allreduce"][12:14] == [advisor.readable(10 * p), "12 B"]
+    assert rows["allreduce"][7] == "1.53 MiB"  # 20 x 80448 bytes, as a person reads it
+    assert rows["sampled_vocab"][9:14] == ["n/a"] * 5  # it does not run sharded
     assert "adamw's state (2 buffers per parameter, assumed)" in out
-    assert "shard 2: shard='fsdp' with group_size=2, the time columns stay unsharded" in out
+    assert "shard 2: shard='fsdp' with group_size=2, the shard columns that layout" in out
     # the outer state on the device moves a periodic scheme's state off the host
     diloco = ["--schemes", "diloco", "--top", "1"]
     for where in ("host", "device"):

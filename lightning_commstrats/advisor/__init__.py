@@ -57,18 +57,21 @@ from lightning_commstrats.advisor.fsdp import (
     peak_per_rank,
     units_by_size,
 )
-from lightning_commstrats.advisor.grid import advise, default_settings, departure, mib, recommend, table
+from lightning_commstrats.advisor.grid import advise, default_settings, departure, mib, readable, recommend, table
 from lightning_commstrats.advisor.inputs import (
     OUT_OF_SCOPE,
     SCHEMES,
     SETTINGS,
     SHARDABLE,
     model_shape,
+    parse_size,
+    resolve_links,
     vocabulary_of,
 )
 from lightning_commstrats.advisor.memory import Memory, memory_per_rank
 from lightning_commstrats.advisor.predict import (
     Candidate,
+    Sharded,
     expected_distinct,
     expected_sampled_rows,
     predict,
@@ -86,6 +89,7 @@ __all__ = [
     "FsdpTraffic",
     "FsdpUnits",
     "Memory",
+    "Sharded",
     "advise",
     "default_settings",
     "departure",
@@ -103,9 +107,12 @@ __all__ = [
     "model_from_json",
     "model_shape",
     "optimizer_from_config",
+    "parse_size",
     "peak_per_rank",
     "predict",
+    "readable",
     "recommend",
+    "resolve_links",
     "sparse_exchange_bytes",
     "table",
     "units_by_size",

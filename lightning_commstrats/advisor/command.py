@@ -13,8 +13,17 @@ from pathlib import Path
 
 import torch
 
-from lightning_commstrats.advisor.grid import advise, mib, recommend, table
-from lightning_commstrats.advisor.inputs import ACCELERATORS, INNER_OPTIMIZERS, PARAM_DTYPES, SCHEMES, model_shape
+from lightning_commstrats.advisor.fsdp import MEMORY_OVERHEAD, FsdpUnits, fsdp_units
+from lightning_commstrats.advisor.grid import advise, readable, recommend, table
+from lightning_commstrats.advisor.inputs import (
+    ACCELERATORS,
+    INNER_OPTIMIZERS,
+    PARAM_DTYPES,
+    SCHEMES,
+    model_shape,
+    parse_size,
+)
+from lightning_commstrats.advisor.predict import Candidate
 from lightning_commstrats.comm import Communicator, wire
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.outer import OUTER_STATES
@@ -57,6 +66,13 @@ def model_from_config(value: str) -> tuple[ModelShape, int]:
     a YAML file), built on the meta device (no memory, no data), and the token ids in one rank's
     minibatch. The vocabulary is the config's ``data.max_vocab_size`` (the cap; a corpus with fewer
     distinct words gets a smaller one)."""
+    module, tokens = module_from_config(value)
+    return model_shape(module.net), tokens
+
+
+def module_from_config(value: str) -> tuple[torch.nn.Module, int]:
+    """The ``LanguageModel`` a training config describes, on the meta device, and the token ids in one
+    rank's minibatch (see :func:`model_from_config`)."""
     import yaml
 
     from lightning_commstrats.cli import resolve_config
@@ -77,7 +93,7 @@ def model_from_config(value: str) -> tuple[ModelShape, int]:
         module = LanguageModel(**model_args)
     ngram = model_args.get("arch", "lstm") == "ffn"
     tokens = data["batch_size"] * (data["order"] if ngram else data["seq_len"] + 1)
-    return model_shape(module.net), tokens
+    return module, tokens
 
 
 def model_from_json(path: str, vocab_size: int = 0, vocab_width: int = 0) -> ModelShape:
@@ -95,6 +111,22 @@ def model_from_json(path: str, vocab_size: int = 0, vocab_width: int = 0) -> Mod
     return model_shape(shapes, vocab_size, vocab_width)
 
 
+def units_from_json(path: str) -> FsdpUnits | None:
+    """The FSDP2 units a shapes file gives: ``{"units": [[tensor indices], ...], "root": [...]}`` (the
+    indices into its ``shapes``; ``root`` defaults to the tensors no unit names); ``None`` without."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "units" not in data:
+        return None
+    try:
+        units = tuple(tuple(int(i) for i in u) for u in data["units"])
+        named = {i for u in units for i in u}
+        count = len(data.get("shapes", data.get("param_shapes", ())))
+        root = tuple(int(i) for i in data.get("root", [i for i in range(count) if i not in named]))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--shapes: {path}'s 'units' must be lists of tensor indices: {err}") from None
+    return FsdpUnits(units, root)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``commstrats-advise``: print every candidate's predicted step and memory per rank as a markdown table."""
     parser = argparse.ArgumentParser(
@@ -110,7 +142,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--config", help="a training config: a packaged name (lstm_demo) or a YAML file")
     model.add_argument("--shapes", help="a JSON file: a list of parameter shapes, or {'shapes': [...], ...}")
-    parser.add_argument("--bandwidth", type=float, required=True, help="link rate between ranks, Mbit/s")
+    parser.add_argument(
+        "--bandwidth", type=float, help="link rate between ranks, Mbit/s: both links where one is not given"
+    )
+    parser.add_argument(
+        "--link-inside",
+        type=float,
+        metavar="MBIT",
+        help="link inside a group of --shard ranks, Mbit/s a rank (FSDP2's gathers and reduce-scatters)",
+    )
+    parser.add_argument(
+        "--link-between",
+        type=float,
+        metavar="MBIT",
+        help="link between groups, Mbit/s a rank with every rank of its group sending (the scheme's exchange)",
+    )
     parser.add_argument(
         "--compute-seconds", type=float, required=True, help="seconds of one step on one rank without communication"
     )
@@ -148,9 +194,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="gpu",
         help="gpu (default): device and host memory apart; cpu: all of it host memory",
     )
+    parser.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="the memory of a rank's device (80GiB, 40GB, 850MiB): say whether each candidate's peak fits it",
+    )
+    parser.add_argument(
+        "--memory-overhead",
+        type=float,
+        default=MEMORY_OVERHEAD,
+        metavar="X",
+        help=f"the peak over the tensors held (default {MEMORY_OVERHEAD:.3g}, measured; see docs/advisor.md)",
+    )
+    parser.add_argument(
+        "--empty-init",
+        action="store_true",
+        help="the model is built empty (init_module(empty_init=True) or on meta): no whole model on a sharded rank",
+    )
+    parser.add_argument(
+        "--gather-dtype", choices=tuple(PARAM_DTYPES), help="FSDP2's all-gather dtype (default --param-dtype)"
+    )
+    parser.add_argument(
+        "--reduce-dtype", choices=tuple(PARAM_DTYPES), help="FSDP2's reduce-scatter dtype (default --param-dtype)"
+    )
     args = parser.parse_args(argv)
-    if not (args.bandwidth > 0 and math.isfinite(args.bandwidth)):
-        parser.error(f"--bandwidth must be a finite rate > 0 Mbit/s, got {args.bandwidth:g}")
+    for flag in ("bandwidth", "link_inside", "link_between"):
+        rate = getattr(args, flag)
+        if rate is not None and not (rate > 0 and math.isfinite(rate)):
+            parser.error(f"--{flag.replace('_', '-')} must be a finite rate > 0 Mbit/s, got {rate:g}")
+    if args.link_between is None and args.bandwidth is None:
+        parser.error("--bandwidth or --link-between is required (Mbit/s)")
+    if args.link_inside is not None and args.shard is None:
+        parser.error("--link-inside needs --shard N (the ranks of a group, whose FSDP2 traffic runs on that link)")
+    if args.shard is not None and args.link_inside is None and args.bandwidth is None:
+        parser.error(
+            f"--shard {args.shard} prices FSDP2's in-group traffic: give --link-inside (or --bandwidth for both links)"
+        )
+    device_memory = None
+    if args.device_memory is not None:
+        try:
+            device_memory = parse_size(args.device_memory, "device_memory")
+        except ValueError as err:
+            parser.error(f"--device-memory: {err}")
+    if not (args.memory_overhead >= 1 and math.isfinite(args.memory_overhead)):
+        parser.error(f"--memory-overhead must be a finite number >= 1, got {args.memory_overhead:g}")
     if not (args.compute_seconds >= 0 and math.isfinite(args.compute_seconds)):
         parser.error(f"--compute-seconds must be a finite number of seconds >= 0, got {args.compute_seconds:g}")
     if args.ranks < 1:
@@ -162,16 +249,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         optimizer, source = args.optimizer or "adamw", "given" if args.optimizer else "assumed"
         if args.config:
-            shape, tokens = model_from_config(args.config)
+            module, tokens = module_from_config(args.config)
+            shape, units, unit_source = model_shape(module.net), fsdp_units(module), "the default shard policy's"
             if not args.optimizer:
                 optimizer, source = optimizer_from_config(args.config), "from the config"
         else:
             shape, tokens = model_from_json(args.shapes, args.vocab_size, args.vocab_width), 0
+            units, unit_source = units_from_json(args.shapes), "the shapes file's"
+            if units is None:
+                unit_source = "guessed from the shapes (every tensor of 65,536 values or more a unit of its own)"
         if args.tokens_per_rank is not None:
             tokens = args.tokens_per_rank
+        mbit = {"bandwidth": args.bandwidth, "link_inside": args.link_inside, "link_between": args.link_between}
+        rates = {f"{k}_bits": v * 1e6 if v is not None else None for k, v in mbit.items()}
         found = advise(
             shape,
-            bandwidth_bits=args.bandwidth * 1e6,
             compute_seconds=args.compute_seconds,
             ranks=args.ranks,
             candidates=args.schemes,
@@ -182,24 +274,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             param_dtype=args.param_dtype,
             outer_state=args.outer_state,
             accelerator=args.accelerator,
+            units=units,
+            gather_dtype=args.gather_dtype,
+            reduce_dtype=args.reduce_dtype,
+            overhead=args.memory_overhead,
+            empty_init=args.empty_init,
+            device_memory=device_memory,
+            **rates,
         )
-        pick = recommend(found, args.tolerance)
     except (ValueError, OSError) as err:
         parser.error(str(err))
+    between = args.link_between if args.link_between is not None else args.bandwidth
+    inside = args.link_inside if args.link_inside is not None else args.bandwidth
+    links = f"{between:g} Mbit/s links"
+    if args.shard and inside != between:
+        links = f"links {inside:g} Mbit/s inside groups of {args.shard}, {between:g} Mbit/s between them"
     vocab = f", vocabulary {shape.vocab_size} x {shape.vocab_width}" if shape.vocab_size else ""
     print(
         f"# Advice: {shape.numel:,} parameters in {len(shape.shapes)} tensors{vocab}; {args.ranks} ranks,"
-        f" {args.bandwidth:g} Mbit/s links, {args.compute_seconds:g} s compute per step\n"
+        f" {links}, {args.compute_seconds:g} s compute per step\n"
     )
-    print(
-        f"Recommended: **{pick.label}**, predicted {pick.step_seconds:.4g} s/step ({pick.note}). The fastest"
-        f" within {args.tolerance:.0%} of the best that departs least from synchronous SGD.\n"
-    )
+    fitting = _recommendations(found, args.tolerance, args.shard, device_memory)
     print(table(found, args.top, args.shard))
     states = INNER_OPTIMIZERS[optimizer][0]
     where = "a GPU" if args.accelerator == "gpu" else "the CPU (all of it host memory)"
     sharded = (
-        f"; shard {args.shard}: shard='fsdp' with group_size={args.shard}, the time columns stay unsharded"
+        f"; shard {args.shard}: shard='fsdp' with group_size={args.shard}, the shard columns that layout"
         if args.shard
         else ""
     )
@@ -207,12 +307,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         "\nPredicted s/step = compute + the communication not hidden behind it (bytes / link rate; no latency,"
         " no codec compute). Periodic schemes' bytes are spread over their period."
         f"\n\nMemory per rank, held between steps: the {args.param_dtype} model"
-        f" ({mib(shape.numel * PARAM_DTYPES[args.param_dtype])} MiB), its gradients, {optimizer}'s state"
+        f" ({readable(shape.numel * PARAM_DTYPES[args.param_dtype])}), its gradients, {optimizer}'s state"
         f" ({states} buffer{'s' if states != 1 else ''} per parameter, {source}) and the scheme's own state,"
         f" training on {where}, the periodic schemes' outer state on the {args.outer_state}{sharded}."
         " Not counted: activations, buffers, a sync's transient copies."
     )
-    return 0
+    if args.shard:
+        gather, reduce = args.gather_dtype or args.param_dtype, args.reduce_dtype or args.param_dtype
+        print(
+            f"\nSharded: the unsharded time columns run the exchange over all {args.ranks} ranks"
+            f"{' at the slower link' if args.shard < args.ranks else ' inside the one group'}; shard {args.shard}"
+            f" adds FSDP2's in-group traffic (every unit all-gathered in forward and again in backward, the root"
+            f" once, gradients reduce-scattered; {gather} gathers, {reduce} reductions; not hidden behind compute:"
+            f" an upper bound) on the link inside, and the scheme's exchange of a rank's shards over the"
+            f" {args.ranks // args.shard} groups on the link between. Units: {unit_source}."
+        )
+    if device_memory is not None:
+        built = "built empty" if args.empty_init else "built whole on every rank before it is sharded"
+        print(
+            f"\nPeak per rank on the training device = {args.memory_overhead:.3g} x the tensors held (measured: the"
+            " allocator's slack, buffers, a small batch's activations, an allreduce sync; see docs/advisor.md)"
+            f"; sharded, plus FSDP2's gathers (the root and the largest unit, its gradients unsharded), or the"
+            f" model {built} if more. Against {readable(device_memory)} a rank."
+        )
+    return 0 if fitting else 1
+
+
+def _recommendations(found: list[Candidate], tolerance: float, shard: int | None, device_memory: int | None) -> bool:
+    """Print the recommendation of each layout; whether any candidate fits ``device_memory``."""
+    fitting = False
+    layouts = [False, True] if shard else [False]
+    for sharded in layouts:
+        where = f", sharded (shard='fsdp', group_size={shard})" if sharded else ""
+        try:
+            pick = recommend(found, tolerance, sharded=sharded)
+        except ValueError as err:
+            print(f"{str(err)[0].upper()}{str(err)[1:]}.\n")
+            continue
+        fitting = True
+        if sharded and pick.sharded is not None:
+            s = pick.sharded
+            step = (
+                f"{s.step_seconds:.4g} s/step (in-group {s.inside_seconds:.4g} s, cross-group"
+                f" {s.between_seconds:.4g} s)"
+            )
+        else:
+            step = f"{pick.step_seconds:.4g} s/step"
+        fit = f", peak {readable(pick.sharded_peak if sharded else pick.peak)} a rank" if device_memory else ""
+        print(
+            f"Recommended{where}: **{pick.label}**, predicted {step}{fit} ({pick.note}). The fastest"
+            f" within {tolerance:.0%} of the best that departs least from synchronous SGD"
+            f"{' among those that fit' if device_memory else ''}.\n"
+        )
+    return fitting
 
 
 def optimizer_from_config(value: str) -> str:

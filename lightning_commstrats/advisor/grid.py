@@ -6,7 +6,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from torch import nn
+
 from lightning_commstrats import cost_model
+from lightning_commstrats.advisor.fsdp import MEMORY_OVERHEAD, FsdpUnits, fsdp_units
 from lightning_commstrats.advisor.inputs import (
     AVERAGING_PERIODS,
     DILOCO_BITS,
@@ -19,7 +22,10 @@ from lightning_commstrats.advisor.inputs import (
     STREAMING_BITS,
     STREAMING_FRAGMENTS,
     check_inputs,
+    check_shard,
     model_shape,
+    parse_size,
+    resolve_links,
 )
 from lightning_commstrats.advisor.predict import Candidate, predict
 from lightning_commstrats.cost_model import ModelShape
@@ -74,7 +80,7 @@ def default_settings(
 def advise(
     model_or_shapes: Any,
     *,
-    bandwidth_bits: float,
+    bandwidth_bits: float | None = None,
     compute_seconds: float,
     ranks: int,
     vocab_size: int = 0,
@@ -87,13 +93,23 @@ def advise(
     param_dtype: str = "float32",
     outer_state: str = "host",
     accelerator: str = "gpu",
+    link_inside_bits: float | None = None,
+    link_between_bits: float | None = None,
+    units: FsdpUnits | None = None,
+    gather_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    reshard_after_forward: bool | None = None,
+    overhead: float = MEMORY_OVERHEAD,
+    empty_init: bool = False,
+    device_memory: int | str | None = None,
 ) -> list[Candidate]:
     """Every candidate's predicted step, fastest first, with the memory each rank holds.
 
     Args:
         model_or_shapes: a ``torch.nn.Module``, a :class:`~lightning_commstrats.cost_model.ModelShape`
             or the shapes of the trainable parameters (tied ones once, in registration order).
-        bandwidth_bits: the link rate between ranks, bits per second in each direction.
+        bandwidth_bits: the link rate between ranks, bits per second in each direction: both links
+            where ``link_inside_bits`` or ``link_between_bits`` is not given.
         compute_seconds: seconds of one training step on one rank with no communication (measured,
             e.g. a one-rank run; with several ranks per machine, measured with all of them busy).
         ranks: the number of ranks.
@@ -104,12 +120,21 @@ def advise(
             bytes of ``model_averaging``), and ``sampled_vocab`` only with a vocabulary.
         tokens_per_rank, sampled_rows, shard: see :func:`predict`.
         optimizer, param_dtype, outer_state, accelerator: see :func:`memory_per_rank`.
+        link_inside_bits, link_between_bits, units, gather_dtype, reduce_dtype, reshard_after_forward,
+            overhead, empty_init, device_memory: the links inside and between groups, the sharded
+            layout's FSDP2 traffic and the peak memory against a device's: see :func:`predict`.
 
     Raises:
         ValueError: naming the argument: ``bandwidth_bits <= 0``, ``compute_seconds < 0``,
-            ``ranks < 1``, an unknown scheme in ``candidates``, a model without parameters.
+            ``ranks < 1``, an unknown scheme in ``candidates``, a model without parameters, a
+            missing link, ``link_inside_bits`` without ``shard``, a bad ``device_memory``.
     """
-    check_inputs(bandwidth_bits, compute_seconds, ranks)
+    if shard is not None:
+        check_shard(shard, ranks)
+    flat, _, _ = resolve_links(bandwidth_bits, link_inside_bits, link_between_bits, ranks, shard)
+    check_inputs(flat, compute_seconds, ranks)
+    if units is None and isinstance(model_or_shapes, nn.Module):
+        units = fsdp_units(model_or_shapes)
     model = model_shape(model_or_shapes, vocab_size, vocab_width)
     if candidates is None:
         vocab = model.vocab_size and model.vocab_width
@@ -131,9 +156,7 @@ def advise(
         if name not in SCHEMES:
             raise ValueError(f"candidates: unknown scheme {name!r}; choose from {SCHEMES}")
         if settings is None:
-            grid = default_settings(
-                name, model, bandwidth_bits=bandwidth_bits, compute_seconds=compute_seconds, ranks=ranks
-            )
+            grid = default_settings(name, model, bandwidth_bits=flat, compute_seconds=compute_seconds, ranks=ranks)
             pairs += [(name, s) for s in grid]
         else:
             pairs.append((name, settings))
@@ -146,6 +169,15 @@ def advise(
         "param_dtype": param_dtype,
         "outer_state": outer_state,
         "accelerator": accelerator,
+        "link_inside_bits": link_inside_bits,
+        "link_between_bits": link_between_bits,
+        "units": units,
+        "gather_dtype": gather_dtype,
+        "reduce_dtype": reduce_dtype,
+        "reshard_after_forward": reshard_after_forward,
+        "overhead": overhead,
+        "empty_init": empty_init,
+        "device_memory": parse_size(device_memory) if device_memory is not None else None,
     }
     out = [
         predict(name, s, model, tokens_per_rank=tokens_per_rank, sampled_rows=sampled_rows, **kw) for name, s in pairs
@@ -172,20 +204,40 @@ def departure(c: Candidate) -> tuple[int, int, float]:
     return (1, 0, -c.settings.get("num_quantization_bits", 32))
 
 
-def recommend(candidates: Sequence[Candidate], tolerance: float = 0.05) -> Candidate:
+def recommend(candidates: Sequence[Candidate], tolerance: float = 0.05, sharded: bool = False) -> Candidate:
     """The candidate to start from: among those whose predicted step is within ``tolerance`` (a
     fraction) of the fastest, the one that departs least from synchronous SGD (:func:`departure`).
 
+    ``sharded``: the sharded layout's steps (:attr:`Candidate.sharded`) instead of the unsharded ones,
+    among the candidates that run sharded. A candidate whose peak memory does not fit its
+    ``device_memory`` in that layout is left out.
+
     A heuristic: a few percent of step time rarely pays for a change of optimisation whose quality
     cost is unknown; beyond that the fastest is proposed, with its note saying what to check.
+
+    Raises:
+        ValueError: no candidate (in that layout), or none fits: the message says the smallest peak.
     """
-    if not candidates:
-        raise ValueError("candidates is empty: nothing to recommend")
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
-    best = min(c.step_seconds for c in candidates)
-    close = [c for c in candidates if c.step_seconds <= best * (1 + tolerance)]
-    return min(close, key=lambda c: (departure(c), c.step_seconds))
+    laid = [c for c in candidates if c.sharded is not None] if sharded else list(candidates)
+    if not laid:
+        raise ValueError("candidates is empty: nothing to recommend" + (" sharded" if sharded else ""))
+    fitting = [c for c in laid if c.fits(sharded) is not False]
+    if not fitting:
+        least = min(laid, key=lambda c: c.over(sharded) or 0)
+        peak = least.sharded_peak if sharded else least.peak
+        raise ValueError(
+            f"no candidate fits device_memory={readable(least.device_memory or 0)} per rank"
+            f"{' sharded' if sharded else ''}: the smallest peak is {readable(peak or 0)} ({least.label})"
+        )
+
+    def step(c: Candidate) -> float:
+        return c.sharded.step_seconds if sharded and c.sharded else c.step_seconds
+
+    best = min(step(c) for c in fitting)
+    close = [c for c in fitting if step(c) <= best * (1 + tolerance)]
+    return min(close, key=lambda c: (departure(c), step(c)))
 
 
 def mib(nbytes: float) -> str:
@@ -196,25 +248,69 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.4g}" if nbytes >= 2**20 / 1000 else "<0.001"
 
 
+def readable(nbytes: float) -> str:
+    """Bytes as a person reads them: ``"0"``, ``"512 B"``, ``"12.5 KiB"``, ``"850 MiB"``, ``"1.2 GiB"``,
+    ``"80 GiB"`` (3 significant digits, whole numbers from 1000 up; powers of 1024)."""
+    if not nbytes:
+        return "0"
+    sign, value = ("-" if nbytes < 0 else ""), abs(float(nbytes))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    shown = f"{value:.0f}" if value >= 1000 or unit == "B" else f"{value:.3g}"
+    return f"{sign}{shown} {unit}"
+
+
+def _fit(c: Candidate, sharded: bool) -> str:
+    peak, over = (c.sharded_peak if sharded else c.peak), c.over(sharded)
+    if peak is None:
+        return "n/a"
+    if over is None:
+        return readable(peak)
+    return f"{readable(peak)}, fits" if over <= 0 else f"{readable(peak)}: **{readable(over)} over**"
+
+
 def table(candidates: Sequence[Candidate], top: int | None = None, shard: int | None = None) -> str:
     """The candidates as a markdown table (in the given order), with each one's speed-up over
     ``allreduce`` when ``allreduce`` is among them, and the device and host memory per rank
-    (:attr:`Candidate.memory`); with ``shard``, also with ``shard="fsdp"`` over groups of that many
-    ranks (``n/a`` for a scheme that does not run sharded)."""
+    (:attr:`Candidate.memory`, as :func:`readable` prints it); with ``shard``, also the layout with
+    ``shard="fsdp"`` over groups of that many ranks: its step, FSDP2's traffic inside the group and the
+    scheme's across the groups, each on its own link, and its memory (``n/a`` for a scheme that does not
+    run sharded). When the candidates carry a ``device_memory``, each layout's peak per rank against it."""
     ref = next((c.step_seconds for c in candidates if c.scheme == "allreduce"), None)
+    device_memory = next((c.device_memory for c in candidates if c.device_memory is not None), None)
     head = "| # | scheme | settings | predicted s/step | comm s/step (wire) | MB/step/rank | vs allreduce |"
-    head += " device MiB/rank | host MiB/rank |"
+    head += " device/rank | host/rank |"
+    if device_memory is not None:
+        head += f" peak/rank vs {readable(device_memory)} |"
     if shard:
-        head += f" device MiB/rank, shard {shard} | host MiB/rank, shard {shard} |"
+        head += (
+            f" s/step, shard {shard} | in-group s/step (MB/rank) | cross-group s/step (MB/rank) |"
+            f" device/rank, shard {shard} | host/rank, shard {shard} |"
+        )
+        if device_memory is not None:
+            head += f" peak/rank vs {readable(device_memory)}, shard {shard} |"
     head += " note |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, c in enumerate(candidates[:top] if top else candidates, 1):
         shown = ", ".join(f"{k}={v}" for k, v in c.settings.items() if k != "sync_period_unit") or "-"
         speedup = f"{ref / c.step_seconds:.2f}x" if ref and c.step_seconds > 0 else "-"
-        memory = f" {mib(c.memory.device)} | {mib(c.memory.host)} |" if c.memory else " - | - |"
+        memory = f" {readable(c.memory.device)} | {readable(c.memory.host)} |" if c.memory else " - | - |"
+        if device_memory is not None:
+            memory += f" {_fit(c, False)} |"
         if shard:
-            m = c.sharded_memory
-            memory += f" {mib(m.device)} | {mib(m.host)} |" if m else " n/a | n/a |"
+            m, s = c.sharded_memory, c.sharded
+            if s is not None:
+                memory += (
+                    f" {s.step_seconds:.4g} | {s.inside_seconds:.4g} ({s.inside_bytes / 1e6:.4g}) |"
+                    f" {s.between_seconds:.4g} ({s.between_bytes / 1e6:.4g}) |"
+                )
+            else:
+                memory += " n/a | n/a | n/a |"
+            memory += f" {readable(m.device)} | {readable(m.host)} |" if m else " n/a | n/a |"
+            if device_memory is not None:
+                memory += f" {_fit(c, True)} |"
         lines.append(
             f"| {i} | {c.scheme} | {shown} | {c.step_seconds:.4g} | {c.comm_seconds:.4g} |"
             f" {c.bytes_per_step / 1e6:.4g} | {speedup} |{memory} {c.note} |"

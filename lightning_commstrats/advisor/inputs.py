@@ -194,3 +194,84 @@ def check_shard(shard: Any, ranks: int) -> None:
             f"shard must be an int in [1, ranks={ranks}] that divides the ranks (the ranks a replica is sharded"
             f" over), got {shard!r}"
         )
+
+
+def _rate(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number of bits per second > 0, got {value!r}")
+    return float(value)
+
+
+def resolve_links(
+    bandwidth_bits: float | None,
+    link_inside_bits: float | None,
+    link_between_bits: float | None,
+    ranks: int,
+    shard: int | None,
+) -> tuple[float, float, float]:
+    """``(flat, inside, between)``: the rate the unsharded layout's exchange over every rank runs at, the
+    link inside a group of ``shard`` ranks and the link between groups, bits per second a rank.
+
+    ``bandwidth_bits`` is both links where one is not given. The unsharded layout's ring crosses the
+    groups when there are several: it goes at the slower link; within one group (``shard == ranks``) at
+    the inside link; without ``shard`` (no groups known) at the link between.
+    """
+    between = link_between_bits if link_between_bits is not None else bandwidth_bits
+    inside = link_inside_bits if link_inside_bits is not None else bandwidth_bits
+    if between is None:
+        raise ValueError("link_between_bits (or bandwidth_bits, both links) is needed: the link between ranks")
+    between = _rate("link_between_bits" if link_between_bits is not None else "bandwidth_bits", between)
+    if link_inside_bits is not None and shard is None:
+        raise ValueError(
+            "link_inside_bits needs shard (the ranks of a group, whose FSDP2 traffic runs on that link);"
+            " without groups give bandwidth_bits or link_between_bits"
+        )
+    if shard is None:
+        return between, between, between
+    if inside is None:
+        raise ValueError(
+            f"shard={shard} prices FSDP2's in-group traffic: give link_inside_bits (or bandwidth_bits, both links)"
+        )
+    inside = _rate("link_inside_bits" if link_inside_bits is not None else "bandwidth_bits", inside)
+    flat = inside if shard == ranks else min(inside, between)
+    return flat, inside, between
+
+
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(value: Any, name: str = "device_memory") -> int:
+    """Bytes from an int of bytes or a string with a unit: ``"80GiB"``, ``"40 GB"``, ``"850MiB"``
+    (``B``, ``KB``/``MB``/``GB``/``TB`` in powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB`` of 1024, any
+    case). A bare number in a string is refused: a unit says what it means."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be bytes (an int) or a size such as '80GiB', got {value!r}")
+    text = value.strip().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = text[len(number) :].lower()
+    if unit not in UNITS:
+        raise ValueError(
+            f"{name}={value!r}: give a number and a unit, e.g. 80GiB, 40GB or 850MiB (units: B, KB, MB, GB, TB,"
+            " KiB, MiB, GiB, TiB)"
+        )
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: {number!r} is not a number; e.g. 80GiB") from None
+    if not (amount > 0 and math.isfinite(amount)):
+        raise ValueError(f"{name}={value!r} must be a size > 0, e.g. 80GiB")
+    return math.ceil(amount * UNITS[unit])

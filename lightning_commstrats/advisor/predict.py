@@ -8,15 +8,28 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_commstrats import cost_model
+from lightning_commstrats.advisor.fsdp import (
+    MEMORY_OVERHEAD,
+    FsdpUnits,
+    check_units,
+    fsdp_traffic,
+    fsdp_transient,
+    fsdp_units,
+    peak_per_rank,
+    units_by_size,
+)
 from lightning_commstrats.advisor.inputs import (
+    PARAM_DTYPES,
     SHARDABLE,
     check_inputs,
     check_shard,
     checked_settings,
     int_setting,
     model_shape,
+    parse_size,
+    resolve_links,
 )
-from lightning_commstrats.advisor.memory import Memory, memory_per_rank
+from lightning_commstrats.advisor.memory import Memory, _local_shape, memory_per_rank
 from lightning_commstrats.advisor.schedule import gathered_exchange_bytes, schedule_of, sparse_exchange_bytes
 from lightning_commstrats.comm import wire
 from lightning_commstrats.compression.density import StatisticalAllGather
@@ -24,6 +37,28 @@ from lightning_commstrats.compression.exchange import EXCHANGE_BITS
 from lightning_commstrats.compression.rows import resolve_count
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.strategies.fragments import fragment_bounds
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """The sharded layout's step (``shard="fsdp"`` over groups of ``group`` ranks), each link's part apart.
+
+    Attributes:
+        group: the ranks of a group (FSDP2 shards over them).
+        step_seconds: predicted seconds per optimizer step: compute, FSDP2's in-group traffic (not
+            hidden: an upper bound) and the cross-group exchange not hidden behind them.
+        inside_seconds, inside_bytes: FSDP2's traffic inside the group per step, on the link inside
+            (:func:`~lightning_commstrats.advisor.fsdp_traffic`).
+        between_seconds, between_bytes: the scheme's exchange of this rank's shards with the same shards of
+            the other groups per step (a periodic exchange spread over its period), on the link between.
+    """
+
+    group: int
+    step_seconds: float
+    inside_seconds: float
+    inside_bytes: float
+    between_seconds: float
+    between_bytes: float
 
 
 @dataclass(frozen=True)
@@ -41,8 +76,13 @@ class Candidate:
         changes_optimisation: whether the scheme trains differently from synchronous SGD.
         note: what to know before picking it.
         memory: the bytes one rank holds (:func:`memory_per_rank`), every rank holding the whole model.
-        sharded_memory: the same with ``shard="fsdp"`` over groups of ``memory_options["shard"]``
-            ranks, when asked and the scheme runs sharded (else ``None``).
+        sharded_memory: the same with ``shard="fsdp"`` over groups of ``shard`` ranks, when asked and
+            the scheme runs sharded (else ``None``).
+        sharded: that layout's step, its in-group and cross-group traffic each on its own link (else ``None``).
+        peak, sharded_peak: the most memory a rank reaches on the device it trains on, each layout
+            (:func:`~lightning_commstrats.advisor.peak_per_rank`).
+        device_memory: the memory a rank's device has, when given: :meth:`over` says by how much a layout
+            exceeds it.
     """
 
     scheme: str
@@ -54,6 +94,23 @@ class Candidate:
     note: str
     memory: Memory | None = None
     sharded_memory: Memory | None = None
+    sharded: Sharded | None = None
+    peak: int | None = None
+    sharded_peak: int | None = None
+    device_memory: int | None = None
+
+    def over(self, sharded: bool = False) -> int | None:
+        """Bytes by which a layout's peak exceeds ``device_memory`` (0 or less: it fits; ``None``: no
+        device memory given, or no such layout)."""
+        peak = self.sharded_peak if sharded else self.peak
+        if self.device_memory is None or peak is None:
+            return None
+        return peak - self.device_memory
+
+    def fits(self, sharded: bool = False) -> bool | None:
+        """Whether a layout's peak fits ``device_memory`` (``None`` when unknown)."""
+        over = self.over(sharded)
+        return None if over is None else over <= 0
 
     def strategy(self, **kwargs: Any) -> Any:
         """A new strategy instance of this scheme with these settings (``kwargs`` add more)."""
@@ -100,7 +157,7 @@ def predict(
     settings: Mapping[str, Any] | None,
     model: ModelShape | Any,
     *,
-    bandwidth_bits: float,
+    bandwidth_bits: float | None = None,
     compute_seconds: float,
     ranks: int,
     tokens_per_rank: int = 0,
@@ -110,6 +167,15 @@ def predict(
     param_dtype: str = "float32",
     outer_state: str = "host",
     accelerator: str = "gpu",
+    link_inside_bits: float | None = None,
+    link_between_bits: float | None = None,
+    units: FsdpUnits | None = None,
+    gather_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    reshard_after_forward: bool | None = None,
+    overhead: float = MEMORY_OVERHEAD,
+    empty_init: bool = False,
+    device_memory: int | str | None = None,
 ) -> Candidate:
     """The predicted step of ``scheme`` at ``settings`` (its constructor arguments; missing ones
     take the strategy's defaults, except ``sync_period``, which periodic schemes need) for
@@ -118,22 +184,54 @@ def predict(
 
     ``tokens_per_rank`` (token ids in one rank's minibatch) and ``sampled_rows`` (rows exchanged per
     step, when measured) only matter for ``sampled_vocab``; see :func:`expected_sampled_rows`.
-    ``shard``: also the memory with ``shard="fsdp"`` over groups of this many ranks (the step time
-    stays the unsharded layout's); ``optimizer``, ``param_dtype``, ``outer_state``, ``accelerator``:
-    see :func:`memory_per_rank`.
+    ``optimizer``, ``param_dtype``, ``outer_state``, ``accelerator``: see :func:`memory_per_rank`.
+
+    The links, bits per second a rank sends at (with every rank of its group sending at once: where a
+    group's ranks share one network card to the other groups, each gets its share): ``link_inside_bits``
+    inside a group, ``link_between_bits`` between groups; ``bandwidth_bits`` is both where one is not
+    given. The unsharded layout (:attr:`Candidate.step_seconds`) runs its exchange over every rank, at
+    the slower link when the ranks span several groups (see
+    :func:`~lightning_commstrats.advisor.inputs.resolve_links`).
+
+    ``shard``: also the sharded layout, ``shard="fsdp"`` over groups of this many ranks
+    (:attr:`Candidate.sharded`, :attr:`Candidate.sharded_memory`): FSDP2's traffic inside the group
+    (:func:`~lightning_commstrats.advisor.fsdp_traffic` of ``units``, in ``gather_dtype`` and
+    ``reduce_dtype``, default ``param_dtype``, with ``reshard_after_forward``) on the link inside, and
+    the scheme's exchange of the rank's shards over the ``ranks / shard`` groups on the link between.
+    ``units``: which tensors each FSDP2 unit holds; default: the package's default
+    :class:`~lightning_commstrats.sharding.ShardPolicy` of ``model`` when it is a module, else a guess
+    from the shapes (:func:`~lightning_commstrats.advisor.units_by_size`).
+
+    Memory peak (:attr:`Candidate.peak`, :attr:`Candidate.sharded_peak`):
+    :func:`~lightning_commstrats.advisor.peak_per_rank` with ``overhead``; the sharded layout adds
+    FSDP2's gathers (:func:`~lightning_commstrats.advisor.fsdp_transient`) and, unless ``empty_init``
+    (the model built on the meta device, only shards materialised), the whole model built on every rank
+    before it is sharded. ``device_memory`` (bytes, or a size such as ``"80GiB"``): the memory to fit.
 
     Raises:
         ValueError: for an unknown scheme, a setting the scheme does not take or an unsupported
             value, a period in samples (the advisor counts steps), ``sampled_vocab`` on a model
-            without a vocabulary, or a memory option :func:`memory_per_rank` refuses.
+            without a vocabulary, a link that is missing or not a rate > 0, ``link_inside_bits``
+            without ``shard``, a bad ``device_memory``, ``overhead`` or dtype, or a memory option
+            :func:`memory_per_rank` refuses.
     """
-    check_inputs(bandwidth_bits, compute_seconds, ranks)
+    if shard is not None:
+        check_shard(shard, ranks)
+    flat, inside, between = resolve_links(bandwidth_bits, link_inside_bits, link_between_bits, ranks, shard)
+    check_inputs(flat, compute_seconds, ranks)
+    module = model if not isinstance(model, ModelShape) and hasattr(model, "named_modules") else None
     if not isinstance(model, ModelShape):
         model = model_shape(model)
     settings = checked_settings(scheme, settings)
-    found = _predict_step(
-        scheme, settings, model, bandwidth_bits, compute_seconds, ranks, tokens_per_rank, sampled_rows
+    if device_memory is not None:
+        device_memory = parse_size(device_memory)
+    gather_width, reduce_width = (
+        _width(name, value or param_dtype)
+        for name, value in (("gather_dtype", gather_dtype), ("reduce_dtype", reduce_dtype))
     )
+    if not isinstance(empty_init, bool):
+        raise ValueError(f"empty_init must be True or False, got {empty_init!r}")
+    found = _predict_step(scheme, settings, model, flat, compute_seconds, ranks, tokens_per_rank, sampled_rows)
     options = {
         "ranks": ranks,
         "optimizer": optimizer,
@@ -142,12 +240,32 @@ def predict(
         "accelerator": accelerator,
     }
     memory = memory_per_rank(scheme, settings, model, **options)
-    if shard is not None:
-        check_shard(shard, ranks)
-    sharded = None
-    if shard is not None and scheme in SHARDABLE:
-        sharded = memory_per_rank(scheme, settings, model, shard=shard, **options)
-    return replace(found, memory=memory, sharded_memory=sharded)
+    peak = peak_per_rank(memory, overhead=overhead)
+    out = replace(found, memory=memory, peak=peak, device_memory=device_memory)
+    if shard is None or scheme not in SHARDABLE:
+        return out
+    if units is None:
+        units = fsdp_units(module) if module is not None else units_by_size(model.shapes)
+    check_units(units, len(model.shapes))
+    fsdp = {"gather_bytes": gather_width, "reduce_bytes": reduce_width, "reshard_after_forward": reshard_after_forward}
+    traffic = fsdp_traffic(model.shapes, units, shard, **fsdp)
+    inside_s = cost_model.seconds(traffic.total, inside)
+    local = ModelShape(tuple(_local_shape(s, shard) for s in model.shapes))
+    across = _predict_step(
+        scheme, settings, local, between, compute_seconds + inside_s, ranks // shard, tokens_per_rank, sampled_rows
+    )
+    sharded = Sharded(shard, across.step_seconds, inside_s, traffic.total, across.comm_seconds, across.bytes_per_step)
+    sharded_memory = memory_per_rank(scheme, settings, model, shard=shard, **options)
+    built = 0 if empty_init else model.numel * PARAM_DTYPES[param_dtype]
+    transient = fsdp_transient(model.shapes, units, shard, **fsdp)
+    sharded_peak = peak_per_rank(sharded_memory, transient, overhead=overhead, built=built)
+    return replace(out, sharded_memory=sharded_memory, sharded=sharded, sharded_peak=sharded_peak)
+
+
+def _width(name: str, dtype: str) -> int:
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"{name}={dtype!r} is not supported; choose one of {tuple(PARAM_DTYPES)}")
+    return PARAM_DTYPES[dtype]
 
 
 def _predict_step(
