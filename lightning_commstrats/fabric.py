@@ -42,7 +42,7 @@ calls comes from Fabric instead of the Trainer's loop:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -62,7 +62,8 @@ from typing_extensions import override
 from lightning_commstrats._registry import _qualname, unknown_strategy_message
 from lightning_commstrats.comm import CommStats, Communicator
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
-from lightning_commstrats.strategies.base import STATE_KEY, CommStrategy, RankDevices
+from lightning_commstrats.sharding.materialize import parameters_on_meta
+from lightning_commstrats.strategies.base import STATE_KEY, CommStrategy, RankDevices, move_to_device
 
 __all__ = ["FabricStrategy", "register_fabric_strategies"]
 
@@ -227,7 +228,21 @@ class FabricStrategy(RankDevices, ParallelStrategy):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        module.to(self.root_device)
+        move_to_device(module, self.root_device)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module``: as the Trainer's ``init_module`` (see
+        :meth:`CommStrategy.tensor_init_context`): with ``shard="fsdp"`` and ``empty_init=True`` the
+        parameters are built on the meta device and each rank materialises only its shards."""
+        if empty_init and self.scheme.sharding is not None:
+            stack = ExitStack()
+            stack.enter_context(parameters_on_meta())
+            stack.enter_context(self.precision.module_init_context())
+            return stack
+        if empty_init:
+            self.scheme.note_built_uninitialised()
+        return super().module_init_context(empty_init)
 
     def _on_forward(self, module: Module, args: tuple, kwargs: dict) -> None:
         """A forward in training mode is a batch: the run starts at the first, and the scheme counts

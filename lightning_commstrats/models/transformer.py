@@ -120,6 +120,14 @@ class TransformerLM(LanguageModelBase):
         if config.tie_weights:
             tie(self.output, self.embedding)
 
+    def init_weights(self) -> None:
+        """Draw the weights as ``__init__`` does (the hook a model built on the meta device is
+        initialised by, shard by shard: see :mod:`lightning_commstrats.sharding.materialize`)."""
+        for m in reversed(list(self.modules())):  # norms, experts, routers: inner modules first
+            if m is not self and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+        self.apply(_init)
+
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 

@@ -112,6 +112,14 @@ class Experts(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(num_experts, d_model))
         self.first = 0  # global index of the first expert held here
 
+    def reset_parameters(self) -> None:
+        """The draws of ``__init__`` (normal, std 0.02; zero biases) for the experts held here."""
+        with torch.no_grad():
+            for w in (self.w1, self.w2):
+                w.normal_(0.0, 0.02)
+            for b in (self.b1, self.b2):
+                b.zero_()
+
     @property
     def count(self) -> int:
         return self.w1.shape[0]
@@ -158,6 +166,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.up = nn.Linear(d_model, ffn_dim)
         self.down = nn.Linear(ffn_dim, d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         for linear in (self.up, self.down):
             nn.init.normal_(linear.weight, std=0.02)
             nn.init.zeros_(linear.bias)
@@ -289,6 +300,7 @@ class MoELayer(nn.Module):
         self.balance = balance
         self.capacity_factor = capacity_factor
         self.router = declare(nn.Linear(d_model, num_experts, bias=False), "router")
+        self.router_init_std = router_init_std
         nn.init.normal_(self.router.weight, std=router_init_std)
         self.experts = declare(Experts(num_experts, d_model, ffn_dim), "expert")
         self.shared = declare(SharedExpert(d_model, shared_dim), "ffn") if shared_dim else None
@@ -308,6 +320,11 @@ class MoELayer(nn.Module):
                 self.register_buffer("bias_last_step", torch.zeros(num_experts))
         self._load_since_update: Tensor | None = None
         self._tokens_since_update: list[Tensor] = []  # "quantile": the router inputs, scored at the update
+
+    def reset_parameters(self) -> None:
+        """The router's draw of ``__init__`` (its experts and shared expert reset themselves); the
+        buffers of ``balance="bias"`` are built for real even when the parameters are built empty."""
+        nn.init.normal_(self.router.weight, std=self.router_init_std)
 
     def shard(self, comm: Communicator) -> None:
         """Keep this rank's share of the experts; tokens will travel over ``comm`` (the EP group)."""

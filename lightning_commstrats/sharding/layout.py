@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.comm.torch_dist import TorchCommunicator, destroy_process_group
-from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
+from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp, register_step_methods
 from lightning_commstrats.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,7 @@ class Sharding:
                     f" self.device_mesh['shard'] (ranks {list(mine)})"
                 )
             self.units = ["(configure_model)"]
+            register_step_methods(module)
             return
         self.units = apply_fsdp(module, self.shard_mesh, self.policy)
         log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)

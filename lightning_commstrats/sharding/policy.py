@@ -123,7 +123,7 @@ def apply_fsdp(module: nn.Module, mesh: Any, policy: ShardPolicy) -> list[str]:
     as the root, over the 1-D ``mesh`` (the ranks of one group); the LightningModule's step methods
     become forward methods of the root, so FSDP2 gathers and frees around them. Returns the units' names.
     Raises ``ValueError`` when the model has no parameter to shard."""
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard
 
     if not any(True for _ in module.parameters()):
         raise ValueError(f"shard='fsdp' needs a model with parameters; {type(module).__name__} has none to shard")
@@ -131,7 +131,19 @@ def apply_fsdp(module: nn.Module, mesh: Any, policy: ShardPolicy) -> list[str]:
     for _, unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=policy.reshard_after_forward)
     fully_shard(module, mesh=mesh, reshard_after_forward=policy.reshard_after_forward)
+    register_step_methods(module)
+    return [name for name, _ in units]
+
+
+def register_step_methods(module: nn.Module) -> None:
+    """Make the LightningModule's step methods forward methods of the FSDP2 root ``module``: its own
+    parameters are gathered around a step, whichever inner module the step calls (``self.model(x)``
+    in LitGPT's and most wrapped models' steps, which never runs the root's ``forward``). A root
+    that ``configure_model`` did not shard is left alone."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(module, FSDPModule):
+        return
     for method in STEP_METHODS:
         if callable(getattr(module, method, None)):
             register_fsdp_forward_method(module, method)
-    return [name for name, _ in units]

@@ -75,8 +75,15 @@ class AllReduceStrategy(CommStrategy):
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
-        if self.world_size > 1:
-            self.allreduce_gradients(trainable_params(optimizer))
+        if self.world_size == 1:
+            return
+        params = trainable_params(optimizer)
+        if self.sharding is not None and self.num_models == 1:
+            # FSDP2 reduced the gradients inside the one group and nothing crosses groups: no bucket
+            # (it would hold a copy of this rank's gradient shards), only the check of non-finite ones
+            self.report_nonfinite(nonfinite_names([self.param_name(p) for p in params], [p.grad for p in params]))
+            return
+        self.allreduce_gradients(params)
 
     def allreduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` over ranks in fused buckets, through :meth:`exchange`."""
@@ -150,6 +157,17 @@ def dense_grad(p: torch.nn.Parameter) -> Tensor:
     elif p.grad.is_sparse:
         raise ValueError("lightning_commstrats strategies do not support sparse gradients")
     return p.grad
+
+
+def nonfinite_names(names: Sequence[str], tensors: Sequence[Tensor | None]) -> list[str]:
+    """The ``names`` whose tensor (this rank's part) holds an inf or a NaN: one fused max-norm over all
+    of them, one read on the host."""
+    held = [(n, local(t)) for n, t in zip(names, tensors, strict=True) if t is not None and local(t).numel()]
+    if not held:
+        return []
+    norms = torch._foreach_norm([t for _, t in held], float("inf"), dtype=torch.float32)
+    finite = torch.stack(norms).isfinite().tolist()
+    return [n for (n, _), ok in zip(held, finite, strict=True) if not ok]
 
 
 def trainable_params(optimizer: Optimizer) -> list[torch.nn.Parameter]:

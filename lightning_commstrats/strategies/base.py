@@ -62,6 +62,7 @@ from lightning_commstrats.comm import (
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
 from lightning_commstrats.sharding import Sharding, check_shard, local, memory_by_kind, tensors_in
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
+from lightning_commstrats.sharding.materialize import check_initialisable, has_meta, materialize, parameters_on_meta
 from lightning_commstrats.strategies.params import ParamSet
 from lightning_commstrats.strategies.reducer import BUFFERS, GRADIENTS, Reducer
 from lightning_commstrats.strategies.state import STATE_KEY, StateStore, log_here
@@ -254,6 +255,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.resume_mismatch = resume_mismatch
         self.nonfinite = nonfinite
         self._nonfinite_names: list[str] = []  # set by an exchange of this step whose average was not finite
+        # init_module(empty_init=True) without shard: the weights are what the allocator left (as ddp)
+        self.built_uninitialised = False
         self.bucket_cap_mb = bucket_cap_mb
         self._param_set: ParamSet | None = None  # built when the model is final (setup_scheme)
         self.samples_per_worker = 0
@@ -496,12 +499,33 @@ class CommStrategy(RankDevices, ParallelStrategy):
         """The Trainer running this strategy; None under Fabric or before a run."""
         return getattr(self.lightning_module, "_trainer", None)
 
+    def note_built_uninitialised(self) -> None:
+        """The model is being built with ``empty_init=True`` and no sharding: say what that means."""
+        self.built_uninitialised = True
+        log_rank_zero(
+            log,
+            logging.WARNING,
+            "%s: init_module(empty_init=True) without shard='fsdp' leaves the weights uninitialised, as"
+            " Lightning's ddp does: load a checkpoint into them before training, or pass shard='fsdp' to"
+            " build the parameters on the meta device and initialise only each rank's shards",
+            type(self).__name__,
+        )
+
     def configure_model_parallel(self) -> None:
         """Shard the model across ranks before the optimizers are built: with ``shard="fsdp"``, FSDP2
-        over each group by the shard policy (unless ``configure_model`` did it); else a no-op."""
+        over each group by the shard policy (unless ``configure_model`` did it); else a no-op. A model
+        built on the meta device is then materialised: its local shards only when sharded."""
+        module = self.lightning_module
+        assert module is not None
+        empty = has_meta(module)
+        if empty:  # refused before anything is sharded or allocated
+            check_initialisable(module)
         if self.sharding is not None:
-            assert self.lightning_module is not None
-            self.sharding.shard_module(self.lightning_module)
+            self.sharding.shard_module(module)
+        if empty:
+            index = self.sharding.index if self.sharding is not None else 0
+            called = materialize(module, self.root_device, index)
+            log_rank_zero(log, logging.INFO, "built on the meta device, initialised by %s", _some_names(called))
 
     def synchronize_initial_weights(self) -> None:
         """Every rank starts from rank 0's weights, as DDP does when it wraps a model (sharded: every
@@ -549,7 +573,23 @@ class CommStrategy(RankDevices, ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        move_to_device(self.model, self.root_device)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``Trainer.init_module``. ``empty_init=True`` with ``shard="fsdp"``: the parameters are built
+        on the meta device and each rank materialises only its shards after sharding (see
+        :mod:`lightning_commstrats.sharding.materialize`); unsharded, the weights are left
+        uninitialised, as Lightning's ``ddp`` leaves them, for a checkpoint to fill."""
+        if empty_init and self.sharding is not None:
+            with parameters_on_meta(), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        if empty_init:
+            self.note_built_uninitialised()
+        with super().tensor_init_context(empty_init):
+            yield
 
     @override
     def on_train_start(self) -> None:
@@ -856,6 +896,14 @@ class CommStrategy(RankDevices, ParallelStrategy):
         shown = _some_names(names)
         where = "on every rank" if everywhere else f"on rank {self.global_rank}"
         averaged = "averaged " if everywhere else ""
+        if self.nonfinite == "raise" and self.built_uninitialised and self.optimizer_steps == 0:
+            raise FloatingPointError(
+                f"{type(self).__name__}: the {averaged}{what} of {shown} hold inf or NaN at the first step: the"
+                " model was never initialised. It was built with init_module(empty_init=True), which without"
+                " shard='fsdp' leaves the weights uninitialised (as Lightning's ddp does). Load a checkpoint"
+                " into it before training, build it without empty_init, or pass shard='fsdp' (built on the meta"
+                " device and initialised shard by shard)"
+            )
         if self.nonfinite == "raise":
             raise FloatingPointError(
                 f"{type(self).__name__}: the {averaged}{what} of {shown} hold inf or NaN at optimizer step"
@@ -1014,6 +1062,15 @@ def broadcast_tensors(tensors: Sequence[Tensor], comm: Communicator, src: int = 
                 comm.broadcast(t.data, src, tag="setup")
             else:
                 t.copy_(comm.broadcast(t.detach().contiguous(), src, tag="setup"))
+
+
+def move_to_device(module: Module, device: torch.device) -> None:
+    """``module.to(device)``, leaving tensors on the meta device where they are (a model built
+    empty is materialised after it is sharded)."""
+    if has_meta(module):
+        module._apply(lambda t: t if t.is_meta else t.to(device))
+    else:
+        module.to(device)
 
 
 def agreed_buffer_ids(module: Module) -> set[int]:

@@ -182,6 +182,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
             self.ep_size,
             self.inner,
         )
+        super().configure_model_parallel()  # a model built on the meta device: its experts materialised here
 
     @override
     def synchronize_initial_weights(self) -> None:

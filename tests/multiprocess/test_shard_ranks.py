@@ -229,3 +229,18 @@ def test_a_nan_in_one_ranks_shard_is_every_ranks_decision():
         for a, b in zip(results[i]["ar"]["steps"], results[i + 2]["ar"]["steps"], strict=True):
             for name in a:
                 assert torch.equal(a[name], b[name]), name
+
+
+def test_one_group_keeps_no_cross_group_bucket_and_still_agrees_on_a_nan():
+    # 2 ranks, one group of 2: FSDP2's reduce-scatter is the whole exchange. No fused bucket (a copy of
+    # the gradient shards) is kept, nothing is sent across groups, and a NaN in rank 1's shard alone
+    # still makes both ranks skip the step
+    kw = {**SHARD, "nonfinite": "skip"}
+    scenarios = {"ar": {"strategy": "allreduce", "kwargs": kw, "max_steps": 6, "nan_at": [2, 1], "devices": 2}}
+    results = run_ranks({"scenarios": scenarios}, 2, script=WORKER)
+    assert [r["ar"]["optimizer_steps"] for r in results] == [5, 5]
+    for r in results:
+        assert r["ar"]["memory"]["scheme"] == {}, r["ar"]["memory"]
+        assert "grad/bytes_sent" not in r["ar"]["stats"], sorted(r["ar"]["stats"])
+    for name, t in results[0]["ar"]["final"].items():
+        assert torch.equal(t, results[1]["ar"]["final"][name]), name

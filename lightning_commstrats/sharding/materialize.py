@@ -1,0 +1,162 @@
+"""Building a model without its memory, and giving a sharded one its weights shard by shard.
+
+A model too large for one rank must never exist whole on one. The sharded schemes build it in three
+moves, as Lightning's own sharded strategies and torchtitan do:
+
+1. **Build empty.** :func:`parameters_on_meta` is the context of ``init_module(empty_init=True)``
+   under ``shard="fsdp"``: every parameter registered inside it moves to the meta device the moment
+   it is registered (no memory, no initialisation: torch's ``nn.init`` functions do nothing inside),
+   while buffers and other tensors (masks, rotary caches, torchmetrics states) are built for real,
+   so they need no initialiser. A ``configure_model`` that builds under ``torch.device("meta")``
+   puts its buffers there too; both are handled alike from here on.
+2. **Shard.** ``fully_shard`` works on meta tensors: the parameters become meta DTensors whose
+   local shard is ``1 / g`` of each.
+3. **Materialise** (:func:`materialize`): only the tensors on meta get memory on the device, each
+   rank's local shards only, then every module holding them is initialised:
+
+   - a module that defines ``init_weights()`` (torchtitan's name for a model's own initialiser) is
+     called, the outermost such module first, and covers everything inside it;
+   - any other module holding meta tensors directly is initialised by its ``reset_parameters()``
+     (how Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy`` materialise: ``nn.Linear``,
+     ``nn.Embedding``, ``nn.LayerNorm``, ``nn.LSTM`` all have one), in reverse order of
+     ``named_modules()``: a module after the modules inside it, and a weight tied to an earlier
+     module (an output layer tied to the embedding) initialised as that module does, as a tie made
+     in ``__init__`` leaves it.
+
+   A module with meta tensors and neither hook is refused before anything is allocated
+   (:func:`check_initialisable`), naming it: its weights would be whatever the allocator left.
+
+Random initialisers on sharded tensors draw from each rank's own generator; on CPU torch gives every
+rank of a group the same stream, so every shard would repeat the first. :func:`materialize` draws
+rank ``i`` of a group from the seed ``initial_seed + i`` (the generators are restored afterwards),
+so the shards differ and every group draws the same model. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from lightning_commstrats.sharding.layout import is_dtensor, local
+
+INIT_HOOK = "init_weights"
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside go to the meta device as they are registered, uninitialised;
+    everything else is built as usual (see the module docstring). A parameter already on meta (a
+    tied weight assigned to a second module) is kept as it is, so ties stay ties."""
+    from lightning.fabric.utilities.init import _EmptyInit
+
+    register = nn.Module.register_parameter
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is None or param.device.type == "meta":
+            return
+        held = module._parameters[name]
+        assert held is not None
+        moved = type(held)(held.to("meta"), requires_grad=held.requires_grad)
+        moved.__dict__.update({k: v for k, v in held.__dict__.items() if k != "requires_grad"})
+        module._parameters[name] = moved
+
+    with ExitStack() as stack:
+        stack.enter_context(_EmptyInit(enabled=True))
+        nn.Module.register_parameter = to_meta  # type: ignore[method-assign]
+        stack.callback(setattr, nn.Module, "register_parameter", register)
+        yield
+
+
+def _meta_direct(module: nn.Module) -> list[str]:
+    """Names of ``module``'s own parameters and buffers (not its children's) that are on meta."""
+    found = [n for n, p in module.named_parameters(recurse=False) if p.is_meta]
+    return found + [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def _plan(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]], list[str]]:
+    """``(own initialisers, reset_parameters modules, modules with neither)`` for ``root``'s meta tensors."""
+    own: list[tuple[str, nn.Module]] = []
+    resets: list[tuple[str, nn.Module]] = []
+    missing: list[str] = []
+    covered: list[str] = []  # names of modules whose init_weights covers their subtree
+    for name, module in root.named_modules():
+        if any(name == c or name.startswith(c + ".") or c == "" for c in covered):
+            continue
+        if callable(getattr(module, INIT_HOOK, None)) and has_meta(module):
+            own.append((name, module))
+            covered.append(name)
+            continue
+        meta = _meta_direct(module)
+        if not meta:
+            continue
+        if callable(getattr(module, "reset_parameters", None)):
+            resets.append((name, module))
+        else:
+            shown = f"{name or '(the root)'} ({type(module).__name__}: {', '.join(meta[:4])})"
+            missing.append(shown)
+    return own, resets, missing
+
+
+def check_initialisable(root: nn.Module) -> None:
+    """Raise ``ValueError`` naming every module of ``root`` whose meta tensors nothing would initialise."""
+    _, _, missing = _plan(root)
+    if missing:
+        raise ValueError(
+            f"the model was built empty (on the meta device) and {len(missing)} module(s) hold tensors nothing"
+            f" initialises: {'; '.join(missing[:6])}. Give each a reset_parameters() method, or give the model an"
+            f" {INIT_HOOK}() method that initialises all its weights"
+        )
+
+
+def _allocate_plain(root: nn.Module, device: torch.device) -> None:
+    """Memory on ``device`` for every meta tensor of an unsharded ``root``, one new tensor per old one:
+    a weight two modules share stays shared (``Module._apply`` would give each holder its own)."""
+    new: dict[int, Tensor] = {}
+    for module in root.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in new:
+                    empty = torch.empty_like(t, device=device)
+                    new[id(t)] = type(t)(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                table[name] = new[id(t)]
+
+
+def materialize(root: nn.Module, device: torch.device, index: int = 0) -> list[str]:
+    """Give ``root``'s meta tensors memory on ``device`` (this rank's local shards only) and initialise
+    them (see the module docstring); ``index`` is this rank's place in its group, which offsets the
+    seed of its draws. Returns the names of the initialisers called, in order."""
+    own, resets, missing = _plan(root)
+    if missing:
+        check_initialisable(root)
+
+    if is_dtensor(next(root.parameters(), None)):
+        # FSDP2's own _apply re-registers the sharded parameters afterwards
+        root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    else:
+        _allocate_plain(root, device)
+    devices = [device] if device.type == "cuda" else []
+    called = []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        seed = (torch.initial_seed() + index) % (1 << 63)
+        torch.manual_seed(seed)
+        for name, module in own:
+            getattr(module, INIT_HOOK)()
+            called.append(f"{name or type(root).__name__}.{INIT_HOOK}")
+        for name, module in reversed(resets):  # inner before outer, and a tied weight keeps its first holder's
+            module.reset_parameters()  # type: ignore[operator]
+            called.append(f"{name}.reset_parameters")
+    still = [n for n, t in (*root.named_parameters(), *root.named_buffers()) if local(t).is_meta]
+    if still:
+        raise RuntimeError(f"materialising the model left {still[:4]} on the meta device")
+    return called
