@@ -323,12 +323,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {args.ranks // args.shard} groups on the link between. Units: {unit_source}."
         )
     if device_memory is not None:
-        built = "built empty" if args.empty_init else "built whole on every rank before it is sharded"
+        built = (
+            " (the model built empty: no rank holds it whole)"
+            if args.empty_init
+            else ", or the whole model built on every rank before it is sharded if more (--empty-init: built empty)"
+        )
         print(
             f"\nPeak per rank on the training device = {args.memory_overhead:.3g} x the tensors held (measured: the"
             " allocator's slack, buffers, a small batch's activations, an allreduce sync; see docs/advisor.md)"
-            f"; sharded, plus FSDP2's gathers (the root and the largest unit, its gradients unsharded), or the"
-            f" model {built} if more. Against {readable(device_memory)} a rank."
+            f"; sharded, plus FSDP2's gathers (the root and the largest unit, its gradients unsharded){built}."
+            f" Against {readable(device_memory)} a rank."
         )
     return 0 if fitting else 1
 

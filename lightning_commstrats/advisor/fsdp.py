@@ -172,7 +172,7 @@ def peak_per_rank(memory: Memory, transient: int = 0, *, overhead: float = MEMOR
     ``overhead`` is what the process holds beyond its tensors (the allocator's slack, buffers, a small
     batch's activations, a sync's transient copies), measured: :data:`MEMORY_OVERHEAD` (1.07; issue 47's
     unsharded run, with a fixed glibc mmap threshold). The same run sharded 4-way measured 1.22x the model,
-    where this formula gives 1.14x (tensors 0.75x, the root and the largest unit gathered 0.33x), and
+    where this formula gives 1.13x (tensors 0.75x, the root and the largest unit gathered 0.33x), and
     its build 1.06x (1.07x here). With glibc's default allocator settings the same runs peaked at 4.5x
     and 4.1x: freed blocks stayed with the process, and no factor of the tensors holds then. A GPU run
     measured (``docs/advisor.md``) 1.21x a plain step's tensors and up to 1.65x (32 bits) and 1.81x
