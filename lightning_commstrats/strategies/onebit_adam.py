@@ -26,17 +26,44 @@ class FrozenVarianceAdam:
     strategy averages what :meth:`local_momentum` leaves in the gradients, then calls :meth:`step`.
 
     Per parameter group (its ``lr`` read at every step, so schedulers keep working; its ``betas``,
-    ``eps``, ``weight_decay``), with ``t`` the optimizer's step count and ``T`` the step count at
-    which the variance was frozen::
+    ``eps``, ``weight_decay``), with ``t`` the optimizer's step count, ``T`` the step count at
+    which the variance was frozen, and ``d`` the frozen preconditioner::
 
+        r    = sqrt(v_T / (1 - b2^T))             (per value; sqrt(v_T) without bias correction)
+        d    = max(r, variance_floor * sqrt(mean of r^2 over the tensor)) + eps
         g_i  = g_i + wd * x                       (Adam's L2 weight decay; not for AdamW)
         m_i  = b1 * m + (1 - b1) * g_i            (this rank's momentum; m is the last average)
-        m    = average over ranks of m_i          (the strategy: 1-bit, error feedback)
+        p    = average over ranks of m_i / d      (the strategy: 1-bit, error feedback)
+        m    = p * d
         x    = x * (1 - lr * wd)                  (AdamW's decoupled weight decay)
-        x    = x - lr / (1 - b1^t) * m / (sqrt(v_T / (1 - b2^T)) + eps)
+        x    = x - lr / (1 - b1^t) * p
 
-    that is torch's Adam step with the variance ``v_T`` of the freeze and without its update. The
-    paper's algorithm has no bias correction (``bias_correction=False`` follows it: ``lr * m /
+    that is torch's Adam step with the variance ``v_T`` of the freeze and without its update,
+    except in two places, both for values whose variance had not settled at the freeze (measured
+    on a Transformer LM whose vocabulary has rows no token of the warm-up used: they ended 25%
+    worse than ``allreduce`` in loss, their rows moved by about 300 per step at lr 0.01):
+
+    - **What is compressed.** The paper compresses the momentum ``m_i`` and divides the average by
+      ``d``; the 1-bit code gives every value of a column (of the ``[shape[0], rest]`` view) one of
+      the column's two means, so a value whose ``v_T`` is zero (an embedding row never used) or
+      tiny receives a momentum of the column's scale ``c`` and steps by ``lr c / eps``: error
+      feedback bounds the sum of the errors in ``m``, not their quotient by a tiny ``d``. Here
+      each rank sends the preconditioned momentum ``m_i / d`` (``compress_after_preconditioner``):
+      ``d`` is the same on every rank and fixed after the freeze, so the average is the paper's
+      ``m / d`` in exact arithmetic (and at ``num_quantization_bits=32``), with error feedback on
+      the quantity that moves the weights; a value's error is then at most its column's scale of
+      Adam-normalised steps (order 1), not ``c / eps``. Bytes: the same tensors, the same code.
+    - **The floor.** A value that gets its first gradient after the freeze (a token first seen
+      later) has ``m / (sqrt(v_T) + eps)`` of order ``g / eps`` under the paper's update, at any
+      number of bits. ``d`` is therefore at least ``variance_floor`` (0.1) times its tensor's
+      RMS of ``r``: such a value steps as momentum SGD at the tensor's typical scale; with
+      ``b1 = 0.9`` its first step, ``(1 - b1) g / (0.1 rms)``, is about ``lr`` for a gradient of
+      the tensor's typical size, where Adam's own first step of a new value is ``lr (1 - b1) /
+      sqrt(1 - b2)`` (``3.2 lr``). Values above the floor are untouched.
+
+    ``variance_floor=0`` with ``compress_after_preconditioner=False`` is the paper's update.
+
+    The paper's algorithm has no bias correction (``bias_correction=False`` follows it: ``lr * m /
     (sqrt(v_T) + eps)``); keeping torch's makes the first frozen step continue the warm-up's
     (at ``T = 100`` and ``b2 = 0.999`` the paper's form would step 3.2 times larger at once).
 
@@ -44,7 +71,15 @@ class FrozenVarianceAdam:
     momentum and variance stay in the optimizer's own state (``exp_avg``, ``exp_avg_sq``).
     """
 
-    def __init__(self, freeze_step: int, bias_correction: bool = True) -> None:
+    def __init__(
+        self,
+        freeze_step: int,
+        bias_correction: bool = True,
+        variance_floor: float = 0.1,
+        compress_after_preconditioner: bool = True,
+        floor_warning: float | None = 0.01,
+        scheme: str = "onebit_adam",
+    ) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
                 f"freeze_step must be an int >= 1 (the full-precision Adam steps before the variance is frozen:"
@@ -52,9 +87,14 @@ class FrozenVarianceAdam:
             )
         if not isinstance(bias_correction, bool):
             raise ValueError(f"bias_correction must be True or False, got {bias_correction!r}")
-        self.freeze_step = freeze_step
         self.bias_correction = bias_correction
+        self.freeze_step = freeze_step
+        self.variance_floor, self.compress_after_preconditioner, self.floor_warning = check_floor_args(
+            variance_floor, compress_after_preconditioner, floor_warning
+        )
+        self.scheme = scheme
         self.frozen_at: dict[str, int] = {}  # parameter name -> optimizer step count at the freeze
+        self._denoms: list[Tensor] = []  # d of the step in progress (from local_momentum to step)
 
     @staticmethod
     def check_optimizer(optimizer: Optimizer, scheme: str = "onebit_adam") -> None:
@@ -77,9 +117,12 @@ class FrozenVarianceAdam:
         return steps >= self.freeze_step
 
     @torch.no_grad()
-    def local_momentum(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> None:
-        """Write this rank's momentum ``m_i`` into each parameter's gradient (in place)."""
-        wanted = {id(p) for p in params}
+    def local_momentum(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
+        """Write this rank's momentum ``m_i`` (divided by ``d`` with ``compress_after_preconditioner``)
+        into each parameter's gradient (in place)."""
+        wanted = {id(p): n for p, n in zip(params, names, strict=True)}
+        self._denoms = []
+        unsettled, steps = [], 0
         for group in optimizer.param_groups:
             ps = [p for p in group["params"] if id(p) in wanted]
             if not ps:
@@ -87,8 +130,50 @@ class FrozenVarianceAdam:
             grads = [dense_grad(p) for p in ps]
             if group["weight_decay"] and not group.get("decoupled_weight_decay", False):
                 torch._foreach_add_(grads, ps, alpha=group["weight_decay"])
-            moments = [self._state(optimizer, p)["exp_avg"] for p in ps]
-            torch._foreach_lerp_(grads, moments, group["betas"][0])  # g + b1 (m - g)
+            states = [self._state(optimizer, p) for p in ps]
+            torch._foreach_lerp_(grads, [s["exp_avg"] for s in states], group["betas"][0])  # g + b1 (m - g)
+            counts = [int(s["step"]) for s in states]
+            frozen = [self.frozen_at.setdefault(wanted[id(p)], c) for p, c in zip(ps, counts, strict=True)]
+            fresh = [wanted[id(p)] for p, c, f in zip(ps, counts, frozen, strict=True) if c == f]
+            denom = self._preconditioner(group, states, frozen)
+            if fresh:
+                unsettled += self._report_floor(fresh, [wanted[id(p)] for p in ps], states, frozen, group)
+                steps = max(steps, *frozen)
+            if self.compress_after_preconditioner:
+                torch._foreach_div_(grads, denom)
+            self._denoms.append(denom)
+        if unsettled and self.floor_warning is not None:
+            warn_unsettled(self.scheme, unsettled, steps, self.variance_floor, self.floor_warning, "freeze_step")
+
+    def _corrections(self, group: dict[str, Any], frozen: Sequence[int]) -> list[float]:
+        b2 = group["betas"][1]
+        return [1 / math.sqrt(1 - b2**f) if self.bias_correction else 1.0 for f in frozen]
+
+    def _preconditioner(
+        self, group: dict[str, Any], states: list[dict[str, Any]], frozen: Sequence[int]
+    ) -> list[Tensor]:
+        """``d = max(r, variance_floor * rms(r)) + eps`` per tensor, ``r`` the bias-corrected ``sqrt(v_T)``."""
+        denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+        torch._foreach_mul_(denom, self._corrections(group, frozen))
+        if self.variance_floor > 0:
+            torch._foreach_maximum_(denom, floors(denom, self.variance_floor))
+        torch._foreach_add_(denom, group["eps"])
+        return denom
+
+    def _report_floor(
+        self,
+        fresh: Sequence[str],
+        names: Sequence[str],
+        states: list[dict[str, Any]],
+        frozen: Sequence[int],
+        group: dict[str, Any],
+    ) -> list[tuple[str, int, int, int]]:
+        """At the freeze: how many values of the tensors frozen now fall under the floor."""
+        if self.floor_warning is None or self.variance_floor <= 0:
+            return []
+        roots = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+        torch._foreach_mul_(roots, self._corrections(group, frozen))
+        return [r for r in unsettled_rows(names, roots, self.variance_floor) if r[0] in fresh]
 
     @torch.no_grad()
     def step(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
@@ -99,7 +184,7 @@ class FrozenVarianceAdam:
             ps = [p for p in group["params"] if id(p) in wanted]
             if not ps:
                 continue
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            lr, b1, wd = group["lr"], group["betas"][0], group["weight_decay"]
             lr = float(lr)  # a tensor lr (torch allows one) is read once per step
             states = [self._state(optimizer, p) for p in ps]
             averaged = [p.grad for p in ps]
@@ -109,24 +194,24 @@ class FrozenVarianceAdam:
             # the counts on the host: one transfer for the group when the optimizer keeps them on the
             # device (fused), none when on the host (torch's default)
             counts = torch.stack(steps).tolist() if steps[0].is_cuda else [float(t) for t in steps]
-            sizes, corrections = [], []
+            sizes, frozen = [], []
             for p, c in zip(ps, counts, strict=True):
                 t = int(c)
-                frozen = self.frozen_at.setdefault(wanted[id(p)], t - 1)
-                if self.bias_correction:
-                    sizes.append(-lr / (1 - b1**t))
-                    corrections.append(1 / math.sqrt(1 - b2**frozen))
-                else:
-                    sizes.append(-lr)
-                    corrections.append(1.0)
+                frozen.append(self.frozen_at.setdefault(wanted[id(p)], t - 1))
+                sizes.append(-lr / (1 - b1**t) if self.bias_correction else -lr)
+            # d as local_momentum made it (the same values: v and the floor are frozen)
+            denom = self._denoms.pop(0) if self._denoms else self._preconditioner(group, states, frozen)
             if wd and group.get("decoupled_weight_decay", False):
                 torch._foreach_mul_(ps, 1 - lr * wd)
-            denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-            torch._foreach_mul_(denom, corrections)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(ps, moments, denom, sizes)
+            if self.compress_after_preconditioner:  # the average is m / d: m = p d, x -= s p
+                torch._foreach_mul_(moments, denom)
+                torch._foreach_mul_(averaged, sizes)
+                torch._foreach_add_(ps, averaged)
+            else:
+                torch._foreach_addcdiv_(ps, moments, denom, sizes)
             for p in ps:
                 p.grad = None
+        self._denoms = []
 
     @staticmethod
     def _state(optimizer: Optimizer, p: Tensor) -> dict[str, Any]:
@@ -143,6 +228,68 @@ class FrozenVarianceAdam:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.frozen_at = {str(k): int(v) for k, v in state.get("frozen_at", {}).items()}
+
+
+def check_floor_args(
+    variance_floor: float, compress_after_preconditioner: bool, floor_warning: float | None
+) -> tuple[float, bool, float | None]:
+    """Construction-time checks of the frozen preconditioner's settings (both Adam schemes)."""
+    if isinstance(variance_floor, bool) or not isinstance(variance_floor, (int, float)) or not 0 <= variance_floor < 1:
+        raise ValueError(
+            f"variance_floor must be a number in [0, 1) (the least frozen sqrt(v) as a share of its tensor's RMS;"
+            f" 0: no floor, the paper's), got {variance_floor!r}"
+        )
+    if not isinstance(compress_after_preconditioner, bool):
+        raise ValueError(f"compress_after_preconditioner must be True or False, got {compress_after_preconditioner!r}")
+    if floor_warning is not None and (
+        isinstance(floor_warning, bool) or not isinstance(floor_warning, (int, float)) or not 0 <= floor_warning <= 1
+    ):
+        raise ValueError(
+            f"floor_warning must be a share in [0, 1] of the values under the floor at the freeze above which it"
+            f" warns, or None (never), got {floor_warning!r}"
+        )
+    return float(variance_floor), compress_after_preconditioner, None if floor_warning is None else float(floor_warning)
+
+
+def floors(roots: Sequence[Tensor], variance_floor: float) -> list[Tensor]:
+    """Per tensor, ``variance_floor`` times the RMS of its ``r = sqrt(v)`` (0-d tensors: no transfer to the host)."""
+    return [r.square().mean().sqrt() * variance_floor for r in roots]
+
+
+def unsettled_rows(
+    names: Sequence[str], roots: Sequence[Tensor], variance_floor: float
+) -> list[tuple[str, int, int, int]]:
+    """``(name, values under the floor, values with r == 0, values)`` per tensor (one transfer to the host)."""
+    if not roots:
+        return []
+    below = [(r < f).sum() for r, f in zip(roots, floors(roots, variance_floor), strict=True)]
+    zero = [(r == 0).sum() for r in roots]
+    counts = torch.stack(below + zero).tolist()
+    n = len(roots)
+    return [(name, int(counts[k]), int(counts[n + k]), roots[k].numel()) for k, name in enumerate(names)]
+
+
+def warn_unsettled(
+    scheme: str, rows: Sequence[tuple[str, int, int, int]], steps: int, floor: float, threshold: float, setting: str
+) -> None:
+    """Warn (rank 0) when more than ``threshold`` of the values froze under the floor.
+
+    ``rows``: ``(tensor name, values under the floor, values that never had a gradient, values)``."""
+    total = sum(r[3] for r in rows)
+    below = sum(r[1] for r in rows)
+    if not total or below <= threshold * total:
+        return
+    never = sum(r[2] for r in rows)
+    worst = sorted((r for r in rows if r[1]), key=lambda r: -r[1])[:3]
+    listed = ", ".join(f"{n} {b / v:.1%} ({z} with no gradient)" for n, b, z, v in worst)
+    rank_zero_warn(
+        f"{scheme}: the variance froze after {steps} optimizer steps with {below / total:.1%} of the values"
+        f" ({below} of {total}; {never} never had a gradient) under the floor of variance_floor={floor} times"
+        f" their tensor's RMS: {listed}. Their variance had not settled (too few steps, or rows such as a"
+        f" vocabulary's rare words too few tokens): they step with the floored preconditioner (momentum SGD at"
+        f" their tensor's typical scale), not Adam's. A later {setting} settles more of them; floor_warning=None"
+        " silences this."
+    )
 
 
 def refuse_grad_scaler(strategy: Any, scheme: str) -> None:
@@ -206,6 +353,14 @@ class OneBitAdamStrategy(AllReduceStrategy):
     Per rank and step after the freeze it sends about ``2 (N-1)/N`` of the 1-bit momentum: 1/32 of
     ``allreduce``'s bytes plus two floats per column and stripe in each stage.
 
+    Where it departs from the paper, for values whose variance had not settled at the freeze (an
+    LM's vocabulary rows that no token of the warm-up used: the paper's update moves them by
+    ``lr c / eps`` per step, ``c`` a column's 1-bit scale): the momentum is divided by the frozen
+    preconditioner before it is compressed, and the preconditioner has a floor of ``variance_floor``
+    times its tensor's RMS (see :class:`FrozenVarianceAdam`); the bytes are the paper's. At the freeze
+    it warns (``floor_warning``) when more than 1% of the values froze under the floor, with the
+    share and the tensors: it does not move the freeze, since rows a run never uses never settle.
+
     Tuning: ``freeze_step`` as the paper: long enough for the variance to settle (they froze after
     15-25% of BERT pre-training; on this package's LSTM recipe 100-200 steps of 414 were within 1%
     of ``allreduce``, ``benchmarks/results/onebit_adam``); too early and the frozen variance
@@ -223,6 +378,12 @@ class OneBitAdamStrategy(AllReduceStrategy):
         num_quantization_bits: bits per momentum value after the freeze (1, 2, 4, 8, 16 or 32).
         bias_correction: keep Adam's bias correction after the freeze (default; ``False`` is the
             paper's update).
+        variance_floor: the least frozen ``sqrt(v)``, as a share of its tensor's RMS, in ``[0, 1)``
+            (0.1; 0 is the paper's: see :class:`FrozenVarianceAdam`).
+        compress_after_preconditioner: send the momentum divided by the frozen preconditioner (default;
+            ``False`` sends the momentum, the paper's).
+        floor_warning: warn at the freeze when more than this share of the values froze under the
+            floor (0.01); ``None``: never.
         small_tensor_numel: tensors this small (or 1-D) carry their momentum in fp32.
         half_dtype: the 16-bit format.
         bucket_cap_mb, backend, timeout, start_method: as :class:`AllReduceStrategy`.
@@ -242,6 +403,9 @@ class OneBitAdamStrategy(AllReduceStrategy):
         freeze_step: int = 400,
         num_quantization_bits: int = 1,
         bias_correction: bool = True,
+        variance_floor: float = 0.1,
+        compress_after_preconditioner: bool = True,
+        floor_warning: float | None = 0.01,
         small_tensor_numel: int = 1024,
         half_dtype: str = "float16",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -250,7 +414,9 @@ class OneBitAdamStrategy(AllReduceStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        adam = FrozenVarianceAdam(freeze_step, bias_correction)
+        adam = FrozenVarianceAdam(
+            freeze_step, bias_correction, variance_floor, compress_after_preconditioner, floor_warning
+        )
         compression = GradientCompression(num_quantization_bits, 0, "steps", small_tensor_numel, half_dtype)
         super().__init__(
             bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
@@ -294,11 +460,12 @@ class OneBitAdamStrategy(AllReduceStrategy):
         if self.reducer.holds("grad"):  # the warm-up buckets: unused now
             self.reducer.release("grad")
         clip_like_the_trainer(self, params)
-        self.adam.local_momentum(optimizer, params)
+        names = [self.param_name(p) for p in params]
+        self.adam.local_momentum(optimizer, params, names)
         if self.world_size > 1:
-            self.exchange_compressed(self.compression, params)  # the momentum, averaged in place
+            self.exchange_compressed(self.compression, params)  # the (preconditioned) momentum, averaged in place
         if not self._nonfinite_names:  # else the nonfinite policy decides (the step is not taken)
-            self.adam.step(optimizer, params, [self.param_name(p) for p in params])
+            self.adam.step(optimizer, params, names)
 
     # ------------------------------------------------------------------ checkpointed state
 

@@ -3,6 +3,8 @@ freeze it is Adam with its variance frozen (nothing to compress)."""
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -21,6 +23,12 @@ from lightning_commstrats.strategies.onebit_adam import FrozenVarianceAdam, refu
         ({"num_quantization_bits": 3}, "num_quantization_bits"),
         ({"bias_correction": "yes"}, "bias_correction"),
         ({"small_tensor_numel": -1}, "small_tensor_numel"),
+        ({"variance_floor": -0.1}, "variance_floor"),
+        ({"variance_floor": 1.0}, "variance_floor"),
+        ({"variance_floor": True}, "variance_floor"),
+        ({"compress_after_preconditioner": "yes"}, "compress_after_preconditioner"),
+        ({"floor_warning": 1.5}, "floor_warning"),
+        ({"floor_warning": False}, "floor_warning"),
     ],
 )
 def test_bad_settings_fail_at_construction_naming_the_setting(kwargs, named):
@@ -109,3 +117,65 @@ def test_the_frozen_state_saves_and_loads():
     other = FrozenVarianceAdam(3)
     other.load_state_dict(adam.state_dict())
     assert other.frozen_at == {"w": 3}
+
+
+def _frozen_state(v: torch.Tensor, m: torch.Tensor, steps: int = 4):
+    w = torch.nn.Parameter(torch.zeros_like(v))
+    opt = torch.optim.Adam([w], lr=0.01)
+    opt.state[w] = {"step": torch.tensor(float(steps)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    return w, opt
+
+
+@pytest.mark.parametrize("preconditioned", [True, False])
+def test_the_frozen_preconditioner_is_floored_and_what_travels_is_the_momentum_over_it(preconditioned):
+    # 3 rows of 4: a row of settled values, a row with a tiny variance, a row that never had a gradient
+    v = torch.tensor([[4e-4, 1e-4, 9e-4, 4e-4], [1e-12, 4e-12, 1e-12, 1e-12], [0.0, 0.0, 0.0, 0.0]])
+    m = torch.tensor([[1e-3, -2e-3, 3e-3, 1e-3], [1e-6, 0.0, -1e-6, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    g = torch.full_like(v, 1e-3)
+    w, opt = _frozen_state(v, m)
+    adam = FrozenVarianceAdam(4, variance_floor=0.1, compress_after_preconditioner=preconditioned)
+    w.grad = g.clone()
+    adam.local_momentum(opt, [w], ["w"])
+    # the formula, by hand (b1 0.9, b2 0.999, eps 1e-8; frozen after T = 4 steps)
+    r = (v / (1 - 0.999**4)).sqrt()
+    d = torch.maximum(r, 0.1 * r.square().mean().sqrt()) + 1e-8
+    mi = 0.9 * m + 0.1 * g
+    sent = mi / d if preconditioned else mi
+    torch.testing.assert_close(w.grad, sent, rtol=1e-6, atol=0)
+    assert (d[1:] > 100 * r[1:]).all()  # the unsettled rows take the floor, the settled one its own r
+    torch.testing.assert_close(d[0], r[0] + 1e-8)
+    # what the ranks' average would be: this rank's alone; then the step
+    adam.step(opt, [w], ["w"])
+    step = 0.01 / (1 - 0.9**5)
+    torch.testing.assert_close(opt.state[w]["exp_avg"], mi, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(w.detach(), -step * mi / d, rtol=1e-5, atol=1e-12)
+    assert w.detach()[2].abs().max() < 1e-2  # the row without a gradient steps by at most about lr
+    assert adam.frozen_at == {"w": 4} and w.grad is None
+
+
+def test_the_papers_update_is_kept_with_no_floor():
+    v = torch.tensor([[4e-4, 0.0]])
+    w, opt = _frozen_state(v, torch.tensor([[1e-3, 1e-4]]))
+    adam = FrozenVarianceAdam(4, variance_floor=0.0, compress_after_preconditioner=False, floor_warning=None)
+    w.grad = torch.zeros_like(v)
+    adam.local_momentum(opt, [w], ["w"])
+    adam.step(opt, [w], ["w"])
+    # 0.9e-4 / eps: the paper's step of a value whose frozen variance is zero
+    assert w.detach()[0, 1] == pytest.approx(-0.01 / (1 - 0.9**5) * 0.9e-4 / 1e-8, rel=1e-5)
+
+
+def test_a_freeze_with_unsettled_values_is_warned_of_with_the_share():
+    v = torch.cat([torch.full((4, 8), 1e-4), torch.zeros((12, 8))])  # 12 of 16 rows never had a gradient
+    w, opt = _frozen_state(v, torch.zeros_like(v))
+    w.grad = torch.zeros_like(v)
+    with pytest.warns(UserWarning, match=r"froze after 4 optimizer steps with 75.0% of the values \(96 of 128; 96"):
+        FrozenVarianceAdam(4).local_momentum(opt, [w], ["w"])
+    w.grad = torch.zeros_like(v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FrozenVarianceAdam(4, floor_warning=None).local_momentum(opt, [w], ["w"])
+        w.grad = torch.zeros_like(v)
+        FrozenVarianceAdam(4, floor_warning=0.8).local_momentum(opt, [w], ["w"])
+        w.grad = torch.full_like(v, 1e-3)
+        opt.state[w]["exp_avg_sq"].fill_(1e-4)  # every value settled: nothing to warn of
+        FrozenVarianceAdam(4).local_momentum(opt, [w], ["w"])

@@ -3,6 +3,8 @@ variance steps are torch's Adam steps, and its schedules are DeepSpeed's documen
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -24,6 +26,10 @@ from lightning_commstrats.strategies.zero_one_adam import ZeroOneAdam
         ({"num_quantization_bits": 3}, "num_quantization_bits"),
         ({"bias_correction": 1}, "bias_correction"),
         ({"small_tensor_numel": -1}, "small_tensor_numel"),
+        ({"variance_floor": -0.1}, "variance_floor"),
+        ({"variance_floor": 1.0}, "variance_floor"),
+        ({"compress_after_preconditioner": 1}, "compress_after_preconditioner"),
+        ({"floor_warning": -0.5}, "floor_warning"),
     ],
 )
 def test_bad_settings_fail_at_construction_naming_the_setting(kwargs, named):
@@ -153,3 +159,26 @@ def test_the_state_saves_and_loads():
     assert torch.equal(other.anchor["w"], z.anchor["w"]) and torch.equal(other.accum["w"], z.accum["w"])
     with pytest.raises(ValueError, match="accumulated momentum"):
         ZeroOneAdam(3).load_state_dict(z.state_dict(), {"accum": {}}, torch.device("cpu"))
+
+
+def test_the_preconditioner_is_floored_and_a_freeze_with_unsettled_values_is_warned_of():
+    w = torch.nn.Parameter(torch.zeros(16, 8))
+    opt = torch.optim.Adam([w], lr=0.01)
+    v = torch.cat([torch.full((4, 8), 1e-4), torch.zeros((12, 8))])  # 12 of 16 rows never had a gradient
+    opt.state[w] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(v), "exp_avg_sq": v.clone()}
+    z = ZeroOneAdam(3)
+    d = z._denominators(0, opt.param_groups[0], [opt.state[w]], ["w"], 3)[0]
+    r = (v / (1 - 0.999**3)).sqrt()  # 3 variance updates by step 3
+    torch.testing.assert_close(d, torch.maximum(r, 0.1 * r.square().mean().sqrt()) + 1e-8)
+    with pytest.warns(UserWarning, match=r"zero_one_adam: the variance froze after 3 optimizer steps with 75.0%"):
+        z.report_floor(opt, [w], ["w"], "zero_one_adam")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroOneAdam(3, floor_warning=None).report_floor(opt, [w], ["w"], "zero_one_adam")
+
+
+def test_accumulated_momentum_saved_in_other_units_is_refused():
+    z = ZeroOneAdam(3, compress_after_preconditioner=False)
+    z.open, z.anchor, z.accum = True, {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match="'momentum' units"):
+        ZeroOneAdam(3).load_state_dict(z.state_dict(), z.rank_state_dict(), torch.device("cpu"))
