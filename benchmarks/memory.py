@@ -3,6 +3,8 @@ model that trains under a per-rank budget either way.
 
     python benchmarks/memory.py [--budget-mib 1024] [--out benchmarks/results/memory]
     python benchmarks/memory.py --quick          # one small size, two schemes: a couple of minutes
+    python benchmarks/memory.py --os             # table 3 alone: tensors against the kernel's count, a minute
+    python benchmarks/memory.py --os --os-size big --os-ranks 4   # on the 75M-parameter model, 4 ranks
 
 Four ranks on this machine (gloo on localhost, one process per rank with ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment, as ``torchrun`` starts them) train
@@ -43,6 +45,25 @@ process really held at its peak). Each rank builds the whole model before ``full
 model's parameters in any layout: a model whose *full* parameters do not fit a rank cannot start
 this way unless ``configure_model`` builds it sharded (or on the meta device). On CPU every kind is
 host memory.
+
+**Table 3** (the tensors against the operating system's count, ``--os``). What a rank runs out of is
+its resident set, not its tensors. A language model of residual MLP blocks (tied embedding of 8,192
+words, ``blocks`` x ``Linear(d, 4d)``, GELU, ``Linear(4d, d)`` with a skip, plain SGD without momentum:
+an optimizer with no state) trains ``--os-steps`` steps (4) with ``allreduce`` on ``--os-ranks`` ranks
+(2), unsharded and sharded in one group (``shard="fsdp"``), batches of 4 sequences of 64 tokens; every rank
+builds the whole model before it is sharded (as table 2's do). Each of the four runs (two layouts, two
+allocator settings) is a launch of its own, so no run inherits another's heap. Per rank, beside the
+tensor accounting (``memory_stats()``, the largest total over the ends of all steps), the kernel's peak
+resident set (``VmHWM``) above the resident set when the rank began to build the model, measured with
+:class:`~lightning_commstrats.sharding.process_memory.ProcessMemory` over the run and within phases:
+``build`` (the model built, sharded and its optimizer made, to the start of training), ``training``
+(to the end of fit) and ``sync`` (each step's gradient exchange, wrapped in a subclass of the
+strategy). The allocator settings: glibc's defaults, and its mmap threshold fixed at 128 KiB at the
+rank's start by :func:`~lightning_commstrats.sharding.process_memory.fix_mmap_threshold` (as
+``MALLOC_MMAP_THRESHOLD_=131072`` in the environment would). "Apart" is the run's peak above the start
+over the accounted tensors. Sizes (``--os-size``): ``small`` (d 512, 4 blocks, 12.6M parameters: about a
+minute on two ranks on two shared cores, two on four ranks), ``big`` (d 1024, 8 blocks, 75.5M
+parameters). Results go to ``--out``'s ``os-<size>/`` (tables 1 and 2's files stay).
 """
 
 from __future__ import annotations
@@ -202,7 +223,14 @@ def rank_main(spec_json: str, out: str) -> None:
 
     rank = int(os.environ["LOCAL_RANK"])
     torch.set_num_threads(1)
-    results = {run["name"]: run_one(run, rank) for run in json.loads(spec_json)["runs"]}
+    spec = json.loads(spec_json)
+    if spec.get("fix_mmap_threshold"):  # first, before the runs allocate: it holds for the process
+        from lightning_commstrats.sharding import fix_mmap_threshold
+
+        applied, why = fix_mmap_threshold()
+        if not applied:
+            raise RuntimeError(f"the mmap threshold could not be fixed: {why}")
+    results = {run["name"]: (run_os if run.get("kind") == "os" else run_one)(run, rank) for run in spec["runs"]}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -218,28 +246,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(runs: list[dict[str, Any]], timeout: float = 1800.0) -> list[dict[str, dict[str, Any]]]:
-    """Run ``runs`` one after the other on ``WORLD`` ranks (one process each, started as ``torchrun``
+def launch(
+    runs: list[dict[str, Any]], timeout: float = 1800.0, world: int = WORLD, **spec: Any
+) -> list[dict[str, dict[str, Any]]]:
+    """Run ``runs`` one after the other on ``world`` ranks (one process each, started as ``torchrun``
     would); every rank's results, in rank order. A rank that fails, or a launch that outlives
-    ``timeout`` seconds, stops every rank and raises with the ranks' output."""
+    ``timeout`` seconds, stops every rank and raises with the ranks' output. ``spec``: settings of
+    the ranks' processes (``fix_mmap_threshold=True``)."""
     out = Path(tempfile.mkdtemp(prefix="commstrats-memory-"))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         NODE_RANK="0",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
-    args = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps({"runs": runs}), str(out)]
-    logs = [open(out / f"log{r}.txt", "w+") for r in range(WORLD)]
+    args = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps({"runs": runs, **spec}), str(out)]
+    logs = [open(out / f"log{r}.txt", "w+") for r in range(world)]
     procs = [
         subprocess.Popen(
             args, env={**env, "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True
         )
-        for r in range(WORLD)
+        for r in range(world)
     ]
     try:
         deadline = time.monotonic() + timeout
@@ -257,7 +288,7 @@ def launch(runs: list[dict[str, Any]], timeout: float = 1800.0) -> list[dict[str
                 tails.append(f"--- rank {r} ---\n{f.read()[-6000:]}")
             names = ", ".join(run["name"] for run in runs)
             raise RuntimeError(f"ranks failed or timed out running {names}:\n" + "\n".join(tails))
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -446,6 +477,206 @@ def format_budget(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- table 3: the tensors against the kernel's count
+
+OS_SIZES: dict[str, tuple[int, int]] = {"small": (512, 4), "big": (1024, 8)}  # d_model, residual MLP blocks
+OS_ALLOCATORS = ("glibc defaults", "mmap threshold fixed")
+
+
+def mlp_lm(vocab: int, dim: int, blocks: int, lr: float = 0.1) -> Any:
+    """A language model of residual MLP blocks: tied embedding, ``blocks`` x (``Linear(dim, 4 dim)``,
+    GELU, ``Linear(4 dim, dim)``) added to their input, plain SGD (no optimizer state)."""
+    import lightning as L
+    import torch
+    from torch import nn
+
+    class MLPLM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(blocks)
+            )
+            self.head = nn.Linear(dim, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.head(h)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    return MLPLM()
+
+
+def run_os(run: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Table 3's run on this rank: the accounted tensors beside the kernel's peak (see the docstring)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import lightning_commstrats  # noqa: F401  (registers the strategies)
+    from lightning_commstrats.sharding import ProcessMemory
+
+    gc.collect()
+    tracker = ProcessMemory()  # its start: the resident set before the model is built
+    tracker.begin("build")
+    L.seed_everything(0, verbose=False)
+    dim, blocks = run["dims"]
+    model = mlp_lm(VOCAB, dim, blocks)
+    numel = sum(p.numel() for p in model.parameters())
+    base = L.pytorch.strategies.StrategyRegistry["allreduce"]["strategy"]
+
+    class Tracked(base):  # the sync phase: each step's gradient exchange
+        def after_backward(self, optimizer: Any) -> None:
+            with tracker.phase("sync"):
+                super().after_backward(optimizer)
+
+    class Measure(L.Callback):
+        def __init__(self) -> None:
+            self.totals: list[int] = []
+            self.memory: dict[str, dict[str, int]] = {}
+            self.losses: list[float] = []
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            tracker.end("build")
+            tracker.begin("training")
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
+            self.losses.append(float(outputs["loss"]))
+            memory = trainer.strategy.memory_stats()
+            if not self.totals or total(memory) >= max(self.totals):
+                self.memory = memory
+            self.totals.append(total(memory))
+
+    measure = Measure()
+    batches = zipf_batches(rank, run["steps"], run["batch"], SEQ_LEN)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=run["world"],
+        strategy=Tracked(**run["kwargs"]),
+        max_steps=run["steps"],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[measure],
+    )
+    start = time.perf_counter()
+    trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None, shuffle=False))
+    seconds = time.perf_counter() - start
+    tracker.close()
+    return {
+        "numel": numel,
+        "memory": measure.memory,
+        "total": max(measure.totals),
+        "losses": measure.losses,
+        "rss": tracker.stats()["rss"],
+        "seconds": seconds,
+    }
+
+
+def measure_os(size: str, ranks: int, steps: int, log: Any = print) -> list[dict[str, Any]]:
+    """Table 3: one launch per layout and allocator setting; a row per rank."""
+    dim, blocks = OS_SIZES[size]
+    layouts = {"unsharded": {}, f"fsdp 1x{ranks}": {"shard": "fsdp", "group_size": ranks}}
+    rows = []
+    for allocator in OS_ALLOCATORS:
+        for layout, kwargs in layouts.items():
+            run = {
+                "name": f"os|{layout}",
+                "kind": "os",
+                "kwargs": kwargs,
+                "dims": [dim, blocks],
+                "steps": steps,
+                "batch": BATCH,
+                "world": ranks,
+            }
+            start = time.perf_counter()
+            fixed = allocator == "mmap threshold fixed"
+            per_rank = launch([run], world=ranks, fix_mmap_threshold=fixed)
+            log(f"{layout}, {allocator}: {ranks} ranks in {time.perf_counter() - start:.0f}s")
+            for rank, results in enumerate(per_rank):
+                r = results[run["name"]]
+                rss = r["rss"]
+                rows.append(
+                    {
+                        "layout": layout,
+                        "allocator": allocator,
+                        "rank": rank,
+                        "numel": r["numel"],
+                        "bytes": {k: sum(r["memory"][k].values()) for k in KINDS},
+                        "total": r["total"],
+                        "start": rss["start"],
+                        "peak": rss["peak"] - rss["start"],
+                        "phases": {name: None if b is None else b - rss["start"] for name, b in rss["phases"].items()},
+                        "note": rss.get("note"),
+                        "losses": r["losses"],
+                        "seconds": r["seconds"],
+                    }
+                )
+    return rows
+
+
+def format_os(rows: list[dict[str, Any]], size: str) -> str:
+    model_bytes = 4 * rows[0]["numel"]
+    dim, blocks = OS_SIZES[size]
+
+    def above(b: int | None) -> str:
+        return "-" if b is None else mib(b)
+
+    lines = [
+        f"Tensors against the kernel's count: residual MLP LM, d {dim}, {blocks} blocks,"
+        f" {rows[0]['numel'] / 1e6:.1f}M parameters ({mib(model_bytes)} MiB in fp32), allreduce, plain SGD;"
+        " MiB per rank; peaks are VmHWM above VmRSS when the rank began to build the model.",
+        "",
+        "| layout | allocator | rank | params / grads / optim / scheme | tensors (max over steps)"
+        " | peak RSS: build / training / sync | peak RSS, run | apart: run peak / tensors | run peak / model |",
+        "|---|---|--:|---|--:|---|--:|--:|--:|",
+    ]
+    for r in rows:
+        b, ph = r["bytes"], r["phases"]
+        lines.append(
+            f"| {r['layout']} | {r['allocator']} | {r['rank']} | "
+            + " / ".join(mib(b[k]) for k in KINDS)
+            + f" | {mib(r['total'])} | {above(ph.get('build'))} / {above(ph.get('training'))} /"
+            f" {above(ph.get('sync'))} | {mib(r['peak'])} | {r['peak'] / r['total']:.2f}x"
+            f" (+{mib(r['peak'] - r['total'])}) | {r['peak'] / model_bytes:.2f}x |"
+        )
+    notes = {r["note"] for r in rows if r["note"]}
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    lines += [
+        "",
+        "The largest rank, run peak above the start (x the fp32 model; training phase alone):",
+        "",
+        "| run | " + " | ".join(OS_ALLOCATORS) + " |",
+        "|---|" + "--:|" * len(OS_ALLOCATORS),
+    ]
+    for layout in layouts:
+        cells = []
+        for allocator in OS_ALLOCATORS:
+            mine = [r for r in rows if r["layout"] == layout and r["allocator"] == allocator]
+            top = max(mine, key=lambda r: r["peak"])
+            train = max((r["phases"].get("training") or 0) for r in mine)
+            cells.append(
+                f"{mib(top['peak'])} ({top['peak'] / model_bytes:.2f}x; training {mib(train)},"
+                f" {train / model_bytes:.2f}x) vs tensors {mib(top['total'])}"
+            )
+        lines.append(f"| {layout} | " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "Phases not measured: " + "; ".join(sorted(notes)) + "."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -460,6 +691,10 @@ def main() -> None:
     parser.add_argument("--no-budget", action="store_true", help="table 1 only")
     parser.add_argument("--no-table", action="store_true", help="table 2 (the budget) only")
     parser.add_argument("--quick", action="store_true", help="5M only, allreduce and diloco, budget 256 MiB")
+    parser.add_argument("--os", action="store_true", help="table 3 alone: the tensors against the kernel's count")
+    parser.add_argument("--os-size", default="small", choices=list(OS_SIZES), help="table 3's model (big: 75.5M)")
+    parser.add_argument("--os-ranks", type=int, default=2, help="table 3's ranks (one group when sharded)")
+    parser.add_argument("--os-steps", type=int, default=4, help="table 3's optimizer steps per run")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory"))
     parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -470,6 +705,9 @@ def main() -> None:
         args.sizes, args.schemes, args.budget_mib = ["5M"], ["allreduce", "diloco"], 256.0
         if args.out == parser.get_default("out"):
             args.out = str(Path(args.out) / "quick")
+    if args.os:
+        main_os(args.os_size, args.os_ranks, args.os_steps, args.out, args.out == parser.get_default("out"))
+        return
     start = time.perf_counter()
     rows = [] if args.no_table else measure_table(args.sizes, args.schemes, args.layouts, args.steps)
     parts = [] if args.no_table else [format_table(rows)]
@@ -485,6 +723,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({"rows": rows, "budget": budget, "wall_seconds": wall}, indent=1))
+
+
+def main_os(size: str, ranks: int, steps: int, out_dir: str, default_out: bool) -> None:
+    if ranks < 2 or steps < 1:
+        raise SystemExit(f"--os-ranks must be at least 2 and --os-steps at least 1, got {ranks} and {steps}")
+    start = time.perf_counter()
+    rows = measure_os(size, ranks, steps)
+    wall = time.perf_counter() - start
+    text = format_os(rows, size) + f"\n\nWall time: {wall:.0f}s."
+    print(text)
+    out = Path(out_dir) / f"os-{size}" if default_out else Path(out_dir)  # beside, not over, tables 1 and 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({"rows": rows, "size": size, "wall_seconds": wall}, indent=1))
 
 
 if __name__ == "__main__":
