@@ -150,8 +150,16 @@ def test_the_peak_reproduces_the_measured_figures_and_says_what_fits():
     c = advisor.predict("allreduce", {}, shapes, compute_seconds=0.1, shard=4, **common)
     # unsharded: parameters, gradients and the kept buckets (3.0x), measured 3.2x
     assert c.peak / model == pytest.approx(3.2, rel=0.01)
-    # 4-way: the tensors 0.75x, the root and the largest unit gathered 0.33x: 1.13x, measured 1.22x
-    assert c.sharded_peak / model == pytest.approx(1.22, rel=0.08)
+    # 4-way, as measured (allreduce then kept a bucket of the gradient shards in one group): the tensors
+    # 0.75x, the root and the largest unit gathered 0.33x: 1.13x, measured 1.22x
+    m = c.sharded_memory
+    assert m.scheme == ()  # no bucket in one group now: the measured run's tensors are these plus one
+    measured_run = advisor.Memory(m.parameters, m.gradients, m.optimizer, (("bucket", m.gradients, "host"),), "host")
+    transient = advisor.fsdp_transient(shapes, units, 4)
+    assert transient / model == pytest.approx(3 / 9, rel=0.001)  # the root's embedding, a block twice
+    assert advisor.peak_per_rank(measured_run, transient) / model == pytest.approx(1.22, rel=0.08)
+    # without the bucket the whole model built on every rank (1.07x; measured 1.06x) is the peak
+    assert c.sharded_peak == math.ceil(advisor.MEMORY_OVERHEAD * model)
     # with 16-way shards the whole model built on every rank is the peak (measured 1.06x on 4 ranks)
     wide = advisor.predict("allreduce", {}, shapes, compute_seconds=0.1, shard=16, **{**common, "ranks": 16})
     assert wide.sharded_peak == math.ceil(advisor.MEMORY_OVERHEAD * model)
@@ -240,3 +248,11 @@ def test_the_command_takes_two_links_and_a_device_memory(tmp_path, capsys):
         with pytest.raises(SystemExit):
             advisor.main([*base, *bad])
         assert message in capsys.readouterr().err, bad
+
+
+def test_allreduce_in_one_sharded_group_keeps_no_cross_group_bucket():
+    # FSDP2 reduces the gradients inside the group and nothing crosses groups: the strategy keeps no bucket
+    one = advisor.memory_per_rank("allreduce", {}, SHAPES, ranks=4, shard=4)
+    assert one.scheme == ()
+    two = advisor.memory_per_rank("allreduce", {}, SHAPES, ranks=8, shard=4)
+    assert two.scheme_bytes() == 4 * (16000 + 16 + 4096)  # two groups: the bucket of this rank's shards

@@ -97,7 +97,8 @@ def memory_per_rank(
     ``"adamw"`` and ``"adam"`` two buffers of the parameters' size and a 4-byte step count per tensor,
     ``"sgd_momentum"`` one buffer, ``"sgd"`` none). The scheme's own state (with ``ranks > 1``):
 
-    - ``allreduce``: its fused gradient buckets, kept from step to step (one copy of the gradients);
+    - ``allreduce``: its fused gradient buckets, kept from step to step (one copy of the gradients;
+      none sharded in a single group, where nothing crosses groups);
     - ``onebit_sgd`` (and ``sampled_vocab`` for the tensors outside the vocabulary): below 32 bits, the
       error-feedback residuals in float32, stage 1 the size of every quantized matrix, stage 2 the
       rank's stripe of it (a ``1/ranks`` share; rank 0's, the largest, is counted), plus the buckets
@@ -237,8 +238,8 @@ def _gradient_state(
     scheme: str, settings: Mapping[str, Any], model: ModelShape, local: list[tuple[int, ...]], replicas: int, width: int
 ) -> list[tuple[str, int, str]]:
     numel = sum(math.prod(s) for s in local)
-    if scheme == "allreduce":
-        return [("gradient buckets kept between steps", width * numel, "device")]
+    if scheme == "allreduce":  # sharded in one group, FSDP2 reduced the gradients: nothing crosses, no bucket
+        return [("gradient buckets kept between steps", width * numel, "device")] if replicas > 1 else []
     if scheme == "sampled_vocab":
         v, vw = model.vocab_size, model.vocab_width
         if not v or not vw:
