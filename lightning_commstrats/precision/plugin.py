@@ -132,6 +132,7 @@ class LayeredMixedPrecision(Precision):
         )
         self.precision = _LIGHTNING_NAMES[preset][half]  # type: ignore[assignment]
         self._converted: nn.Module | None = None
+        self.module_dtypes: dict[str, str] | None = None  # module name -> dtype name, once a model is converted
         self._checked: bool | None = None  # this step's verdict once taken: True = the step runs
         self._backward_scale: float | None = None  # the scale the current gradients were made with
 
@@ -158,6 +159,8 @@ class LayeredMixedPrecision(Precision):
         if self._converted is module:  # a second fit/validate on the same model
             return module
         dtypes = resolve(module, self.default, self.rules) if self.preset in ("layered", "O2") else None
+        # read by the package's strategies: with shard="fsdp" each unit is gathered in its dtype
+        self.module_dtypes = dtypes
         remove_policy(module)  # another plugin's, from an earlier Trainer
         if self.preset == "O3":
             module.to(self.compute_dtype)

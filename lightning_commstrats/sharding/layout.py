@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.comm.torch_dist import TorchCommunicator, destroy_process_group
 from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp, register_step_methods
+from lightning_commstrats.sharding.traffic import count_fsdp_traffic
 from lightning_commstrats.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class Sharding:
         self.num_groups = 1
         self.group = 0  # this rank's group
         self.index = 0  # this rank's place in its group
+        self.stats: Any = None  # the run's communication statistics, where FSDP2's own traffic is counted
 
     def __repr__(self) -> str:
         size = self.group_size if self.mesh is None else self.mesh.shape[1]
@@ -111,6 +114,7 @@ class Sharding:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        self.stats = comm.stats
         if not dist.is_initialized():  # one rank: no process group was made, and FSDP2 needs one
             kwargs = {"device_id": device} if device.type == "cuda" else {}
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -145,9 +149,12 @@ class Sharding:
         """The 1-D mesh of this rank's group, over which FSDP2 shards."""
         return self.mesh["shard"]
 
-    def shard_module(self, module: nn.Module) -> None:
+    def shard_module(self, module: nn.Module, dtypes: Mapping[str, str] | None = None) -> None:
         """Shard ``module`` by the policy, unless its ``configure_model`` already applied
-        ``fully_shard`` (then it is used as it is, after a check that it was sharded over this mesh)."""
+        ``fully_shard`` (then it is used as it is, after a check that it was sharded over this mesh).
+        ``dtypes`` (module name -> dtype name, a precision policy's) gathers each unit in the dtype
+        it computes in (:func:`~lightning_commstrats.sharding.policy.plan_units`). Either way FSDP2's
+        collectives are counted (:mod:`~lightning_commstrats.sharding.traffic`)."""
         sharded = [p for p in module.parameters() if is_dtensor(p)]
         if sharded:
             if len(sharded) != len(list(module.parameters())):
@@ -165,9 +172,11 @@ class Sharding:
                 )
             self.units = ["(configure_model)"]
             register_step_methods(module)
-            return
-        self.units = apply_fsdp(module, self.shard_mesh, self.policy)
-        log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
+        else:
+            self.units = apply_fsdp(module, self.shard_mesh, self.policy, dtypes)
+            log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
+        if self.stats is not None:
+            count_fsdp_traffic(module, self.stats)
 
 
 def _single(comm: Communicator) -> Communicator:

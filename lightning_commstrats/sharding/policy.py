@@ -19,12 +19,14 @@ parameter sharded once, and the tie is kept. No Lightning here.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
+GATHER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
@@ -118,21 +120,102 @@ class ShardPolicy:
         return list(reversed(chosen))
 
 
-def apply_fsdp(module: nn.Module, mesh: Any, policy: ShardPolicy) -> list[str]:
+def apply_fsdp(module: nn.Module, mesh: Any, policy: ShardPolicy, dtypes: Mapping[str, str] | None = None) -> list[str]:
     """``fully_shard`` every unit of ``module`` by ``policy`` (innermost first), then ``module`` itself
     as the root, over the 1-D ``mesh`` (the ranks of one group); the LightningModule's step methods
-    become forward methods of the root, so FSDP2 gathers and frees around them. Returns the units' names.
+    become forward methods of the root, so FSDP2 gathers and frees around them. With ``dtypes`` (a
+    per-module precision policy, module name -> ``"fp32"``/``"bf16"``/``"fp16"``), every unit gets an
+    FSDP2 ``MixedPrecisionPolicy`` (see :func:`plan_units`). Returns the units' names.
     Raises ``ValueError`` when the model has no parameter to shard."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not any(True for _ in module.parameters()):
         raise ValueError(f"shard='fsdp' needs a model with parameters; {type(module).__name__} has none to shard")
-    units = policy.select(module)
-    for _, unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=policy.reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=policy.reshard_after_forward)
+    plan = plan_units(module, policy, dtypes)
+    for _, unit, dtype in plan:
+        mp = MixedPrecisionPolicy() if dtype is None else _mixed(dtype)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=policy.reshard_after_forward, mp_policy=mp)
     register_step_methods(module)
-    return [name for name, _ in units]
+    return [name for name, _, _ in plan if name]
+
+
+def _mixed(dtype: str) -> Any:
+    """A unit gathered in ``dtype``, its gradients reduced in float32 (the masters stay float32); the
+    inputs are left to the precision policy's own casts at module boundaries."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=GATHER_DTYPES[dtype], reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def plan_units(
+    root: nn.Module, policy: ShardPolicy, dtypes: Mapping[str, str] | None = None
+) -> list[tuple[str, nn.Module, str | None]]:
+    """``(name, module, gather dtype)`` for every unit of ``root``, innermost first, the root last.
+
+    Without ``dtypes`` the units are the policy's and the dtype is ``None`` (FSDP2's default: as the
+    parameters are). With them, a unit is gathered in the dtype its modules compute in, so that a
+    half unit's all-gather carries half the bytes and its gathered parameters take half the memory
+    (FSDP2's ``MixedPrecisionPolicy``); its gradients are reduced in float32. A unit whose modules
+    compute in different dtypes (a block whose norm stays float32 while its attention and FFN run
+    in half) takes the dtype that holds most of its parameters, and each module of another dtype
+    becomes a unit of its own, gathered in its dtype. A module that cannot be a unit (it shares a
+    tied weight with a module outside it) keeps its unit in float32: its weights are then gathered
+    whole and cast as the module runs, never rounded for it."""
+    units: list[tuple[str, nn.Module]] = [*policy.select(root), ("", root)]
+    if dtypes is None:
+        return [(name, unit, None) for name, unit in units]
+    names = {name for name, _ in units}
+
+    def unit_of(name: str) -> str:
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name
+
+    managed: dict[str, list[tuple[str, nn.Module]]] = {name: [] for name in names}
+    for name, module in root.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            managed[unit_of(name)].append((name, module))
+    outside = _tied_outside(root)
+    plan: list[tuple[str, nn.Module, str | None]] = []
+    for name, unit in units:
+        mine = managed[name]
+        share: dict[str, int] = {}
+        for m_name, m in mine:
+            share[dtypes[m_name]] = share.get(dtypes[m_name], 0) + sum(p.numel() for p in m.parameters(recurse=False))
+        dtype = max(share, key=share.__getitem__) if share else "fp32"
+        rest = set()
+        split: list[str] = []
+        for m_name, m in mine:
+            if dtypes[m_name] == dtype or any(m_name.startswith(done + ".") for done in split):
+                continue  # in the unit's dtype, or inside a module already made a unit of its own
+            inner = [n for n, _ in mine if n == m_name or n.startswith(m_name + ".")]
+            if m_name and m_name not in outside and all(dtypes[n] == dtypes[m_name] for n in inner):
+                plan.append((m_name, m, dtypes[m_name]))
+                split.append(m_name)
+                continue
+            rest.add(dtypes[m_name])
+        plan.append((name, unit, "fp32" if rest else dtype))
+    return _innermost_first(plan)
+
+
+def _innermost_first(plan: list[tuple[str, nn.Module, str | None]]) -> list[tuple[str, nn.Module, str | None]]:
+    """``plan`` ordered so that a module comes before every module that holds it (what ``fully_shard``
+    needs); the root last."""
+    return sorted(plan, key=lambda item: -item[0].count(".") - (1 if item[0] else 0))
+
+
+def _tied_outside(root: nn.Module) -> set[str]:
+    """Names of the modules that hold a parameter some module outside them holds too (tied weights)."""
+    holders: dict[int, set[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(name)
+    tied = set()
+    for name, module in root.named_modules():
+        inside = {n for n, _ in module.named_modules(prefix=name, remove_duplicate=False)}
+        if any(not holders[id(p)] <= inside for p in module.parameters()):
+            tied.add(name)
+    return tied
 
 
 def register_step_methods(module: nn.Module) -> None:

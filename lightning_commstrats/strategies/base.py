@@ -521,7 +521,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         if empty:  # refused before anything is sharded or allocated
             check_initialisable(module)
         if self.sharding is not None:
-            self.sharding.shard_module(module)
+            # a per-module precision policy (LayeredMixedPrecision): each unit gathered in its dtype
+            self.sharding.shard_module(module, getattr(self.precision_plugin, "module_dtypes", None))
         if empty:
             index = self.sharding.index if self.sharding is not None else 0
             called = materialize(module, self.root_device, index)

@@ -22,7 +22,8 @@ Scenario keys: ``front`` (``"trainer"`` or ``"fabric"``), ``build`` (``"whole"``
 built on meta in ``configure_model``, which shards its blocks, ``self.model`` and ``self`` itself, and
 the steps call ``self.model(x)``), ``strategy``, ``kwargs``, ``devices``, ``max_steps``, ``dims``
 (``vocab``, ``dim``, ``blocks``), ``optimizer`` (``"sgd"`` or ``"sgd_plain"``: no momentum),
-``record_weights``, ``seed``.
+``record_weights``, ``seed``, ``precision`` (``LayeredMixedPrecision``'s arguments; Trainer only).
+``whole`` holds every parameter whole at the end, ``stats`` the run's communication statistics.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from rank_env import save_and_leave
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_commstrats  # noqa: F401  (registers the strategies)
+import lightning_commstrats
+from lightning_commstrats.models.base import declare
 from lightning_commstrats.sharding import is_dtensor, local
 
 SEQ = 8
@@ -61,11 +63,17 @@ def _reset_peak() -> None:
 
 
 class Net(nn.Module):
+    """Roles declared for LayeredMixedPrecision: the blocks' ``Linear`` layers are FFNs (half under
+    ``layered``), their ``LayerNorm`` and the embedding stay float32."""
+
     def __init__(self, vocab: int, dim: int, blocks: int) -> None:
         super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim)) for _ in range(blocks))
-        self.head = nn.Linear(dim, vocab, bias=False)
+        self.emb = declare(nn.Embedding(vocab, dim), "embedding")
+        self.blocks = nn.ModuleList(
+            nn.Sequential(declare(nn.LayerNorm(dim), "norm"), declare(nn.Linear(dim, dim), "ffn"))
+            for _ in range(blocks)
+        )
+        self.head = declare(nn.Linear(dim, vocab, bias=False), "output")
         self.head.weight = self.emb.weight  # tied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +172,10 @@ def result(model: nn.Module, strategy: Any, losses: list[float], start: Any, rss
         "losses": losses,
         "rss": rss,
         "tied": model.model.head.weight is model.model.emb.weight if hasattr(model, "model") else None,
+        "whole": {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
+        if record
+        else {},
+        "stats": strategy.comm_stats.snapshot().as_dict(),
     }
 
 
@@ -172,10 +184,12 @@ def run_trainer(sc: dict[str, Any], rank_hint: int, calls: Calls) -> tuple[int, 
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
     watch = Watch(sc.get("record_weights", True))
     steps = sc.get("max_steps", 6)
+    plugins = [lightning_commstrats.LayeredMixedPrecision(**sc["precision"])] if sc.get("precision") else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=sc.get("devices", 4),
         strategy=strategy,
+        plugins=plugins,
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
