@@ -161,3 +161,33 @@ def test_a_sharded_checkpoint_that_some_rank_cannot_see_raises_naming_it(tmp_pat
     (tmp_path / "ckpt" / sharded_checkpoint.META).write_bytes(b"")
     with pytest.raises(RuntimeError, match=r"not visible on ranks \[1\]: shard='fsdp' checkpoints need a directory"):
         sharded_checkpoint.check_visible(str(tmp_path / "ckpt"), TwoRanks())
+
+
+def test_activation_checkpointing_keeps_fewer_activations_and_the_same_gradients(one_rank_mesh):
+    from lightning_commstrats.sharding.policy import ShardPolicy, apply_fsdp
+
+    def run(checkpointing: bool) -> tuple[int, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        block = lambda: nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))  # noqa: E731
+        model = nn.Sequential(block(), block(), block())
+        apply_fsdp(model, one_rank_mesh, ShardPolicy(min_unit_numel=1, activation_checkpointing=checkpointing))
+        kept: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+            loss = model(torch.randn(8, 16)).pow(2).sum()
+        loss.backward()
+        return sum(kept), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+    kept_all, grads = run(False)
+    kept_inputs, grads_ac = run(True)
+    # each unit keeps its input (8 x 16) instead of its weights' inputs and the tanh's output
+    assert kept_inputs < kept_all / 4, (kept_inputs, kept_all)
+    assert all(torch.equal(grads[n], grads_ac[n]) for n in grads)
+
+
+def test_the_shard_policy_refuses_a_bad_activation_checkpointing_setting():
+    from lightning_commstrats.sharding.policy import ShardPolicy
+
+    with pytest.raises(ValueError, match="activation_checkpointing must be True or False"):
+        ShardPolicy(activation_checkpointing="yes")
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        ShardPolicy.of({"activation_checkpoint": True})

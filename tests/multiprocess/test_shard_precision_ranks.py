@@ -50,3 +50,18 @@ def test_layered_bf16_under_fsdp2_gathers_half_units_in_half_and_trains_as_unsha
     for name, whole in reference[0]["layered"]["whole"].items():
         for r in runs:
             torch.testing.assert_close(r["layered"]["whole"][name], whole, atol=1e-6, rtol=0, msg=name)
+
+
+def test_activation_checkpointing_under_layered_fsdp2_trains_bit_for_bit_as_without():
+    # the recomputation in backward runs on the parameters FSDP2 gathered again, in the unit's dtype
+    base = {"strategy": "diloco", "build": "empty", "dims": DIMS, "max_steps": STEPS, "devices": 2}
+    period = {"sync_period": 2, "sync_period_unit": "steps"}
+    ac = {**SHARD, "shard_policy": {"min_unit_numel": 1, "activation_checkpointing": True}}
+    scenarios = {
+        "plain": {**base, "kwargs": {**period, **SHARD}, "precision": LAYERED},
+        "ac": {**base, "kwargs": {**period, **ac}, "precision": LAYERED},
+    }
+    for r in run_ranks({"scenarios": scenarios}, 2, script=WORKER):
+        assert r["ac"]["losses"] == r["plain"]["losses"]
+        for name, t in r["plain"]["whole"].items():
+            assert torch.equal(r["ac"]["whole"][name], t), name
