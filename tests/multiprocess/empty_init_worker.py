@@ -22,7 +22,8 @@ Scenario keys: ``front`` (``"trainer"`` or ``"fabric"``), ``build`` (``"whole"``
 built on meta in ``configure_model``, which shards its blocks, ``self.model`` and ``self`` itself, and
 the steps call ``self.model(x)``), ``strategy``, ``kwargs``, ``devices``, ``max_steps``, ``dims``
 (``vocab``, ``dim``, ``blocks``), ``optimizer`` (``"sgd"`` or ``"sgd_plain"``: no momentum),
-``record_weights``, ``seed``, ``precision`` (``LayeredMixedPrecision``'s arguments; Trainer only).
+``record_weights``, ``seed``, ``inf_at`` ([step, rank]: an inf in that rank's shard of the first
+block's Linear gradient), ``precision`` (``LayeredMixedPrecision``'s arguments; Trainer only).
 ``whole`` holds every parameter whole at the end, ``stats`` the run's communication statistics.
 """
 
@@ -135,6 +136,17 @@ class Batches(Dataset):
         return tokens, (tokens * 7 + 3) % self.vocab  # a learnable map of the input
 
 
+class InfAt(L.Callback):
+    """An inf in this rank's shard of one gradient at one step (``inf_at``: [step, rank])."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            local(pl_module.model.blocks[0][1].weight.grad).view(-1)[0] = float("inf")
+
+
 class Calls(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -196,7 +208,7 @@ def run_trainer(sc: dict[str, Any], rank_hint: int, calls: Calls) -> tuple[int, 
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[watch],
+        callbacks=[watch, *([InfAt(*sc["inf_at"])] if sc.get("inf_at") else [])],
     )
     rss = {"start": _status("VmRSS")}
     _reset_peak()
@@ -212,6 +224,9 @@ def run_trainer(sc: dict[str, Any], rank_hint: int, calls: Calls) -> tuple[int, 
     rss["model_bytes"] = 4 * sum(p.numel() for p in model.parameters())
     out = result(model, strategy, model.losses, watch.start, rss, sc)
     out["init_calls"] = [m for m in calls.messages if "initialised by" in m]
+    out["optimizer_steps"] = strategy.optimizer_steps
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    out["scale"] = None if scaler is None else scaler.scale
     return trainer.global_rank, out
 
 

@@ -32,14 +32,29 @@ def _gather_bytes_per_step(linear_itemsize: int) -> int:
     return root + BLOCKS * 2 * (norm + linear)
 
 
-def test_layered_bf16_under_fsdp2_gathers_half_units_in_half_and_trains_as_unsharded():
-    base = {"strategy": "allreduce", "build": "whole", "dims": DIMS, "max_steps": STEPS, "devices": 2}
-    sharded = {
-        "fp32": {**base, "kwargs": SHARD},
-        "layered": {**base, "kwargs": SHARD, "precision": LAYERED},
-    }
-    runs = run_ranks({"scenarios": sharded}, 2, script=WORKER)
-    reference = run_ranks({"scenarios": {"layered": {**base, "kwargs": {}, "precision": LAYERED}}}, 2, script=WORKER)
+BASE = {"build": "whole", "dims": DIMS, "max_steps": STEPS, "devices": 2}
+PERIOD = {"sync_period": 2, "sync_period_unit": "steps"}
+AC = {**SHARD, "shard_policy": {"min_unit_numel": 1, "activation_checkpointing": True}}
+SCALED = {**LAYERED, "loss_scaling": True, "init_scale": 1024.0}
+SCENARIOS = {  # one launch of 2 ranks for the tests below
+    "fp32": {**BASE, "strategy": "allreduce", "kwargs": SHARD},
+    "layered": {**BASE, "strategy": "allreduce", "kwargs": SHARD, "precision": LAYERED},
+    # the recomputation in backward runs on the parameters FSDP2 gathered again, in the unit's dtype
+    "diloco": {**BASE, "strategy": "diloco", "build": "empty", "kwargs": {**PERIOD, **SHARD}, "precision": LAYERED},
+    "diloco_ac": {**BASE, "strategy": "diloco", "build": "empty", "kwargs": {**PERIOD, **AC}, "precision": LAYERED},
+    # rank 1's shard of a bf16 unit's gradient holds an inf at step 2
+    "skip": {**BASE, "strategy": "allreduce", "build": "empty", "kwargs": SHARD, "precision": SCALED, "inf_at": [2, 1]},
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks({"scenarios": SCENARIOS}, 2, script=WORKER)
+
+
+def test_layered_bf16_under_fsdp2_gathers_half_units_in_half_and_trains_as_unsharded(runs):
+    unsharded = {"layered": {**SCENARIOS["layered"], "kwargs": {}}}
+    reference = run_ranks({"scenarios": unsharded}, 2, script=WORKER)
     for r in runs:
         fp32, layered = r["fp32"]["stats"], r["layered"]["stats"]
         assert fp32["fsdp_gather/bytes_sent"] == STEPS * _gather_bytes_per_step(4)
@@ -47,21 +62,25 @@ def test_layered_bf16_under_fsdp2_gathers_half_units_in_half_and_trains_as_unsha
         # gradients are reduced in float32 either way: one reduce-scatter of every unit a step
         assert layered["fsdp_reduce/bytes_sent"] == fp32["fsdp_reduce/bytes_sent"] > 0
         assert r["layered"]["sharded"]
+    # the same half computations on the same values (a shard cast to bf16 and gathered, or gathered
+    # and cast, is the same tensor) and float32 sums of the same two gradients: measured equal here;
+    # 1e-6 leaves room for a backend that sums in another order
     for name, whole in reference[0]["layered"]["whole"].items():
         for r in runs:
             torch.testing.assert_close(r["layered"]["whole"][name], whole, atol=1e-6, rtol=0, msg=name)
 
 
-def test_activation_checkpointing_under_layered_fsdp2_trains_bit_for_bit_as_without():
-    # the recomputation in backward runs on the parameters FSDP2 gathered again, in the unit's dtype
-    base = {"strategy": "diloco", "build": "empty", "dims": DIMS, "max_steps": STEPS, "devices": 2}
-    period = {"sync_period": 2, "sync_period_unit": "steps"}
-    ac = {**SHARD, "shard_policy": {"min_unit_numel": 1, "activation_checkpointing": True}}
-    scenarios = {
-        "plain": {**base, "kwargs": {**period, **SHARD}, "precision": LAYERED},
-        "ac": {**base, "kwargs": {**period, **ac}, "precision": LAYERED},
-    }
-    for r in run_ranks({"scenarios": scenarios}, 2, script=WORKER):
-        assert r["ac"]["losses"] == r["plain"]["losses"]
-        for name, t in r["plain"]["whole"].items():
-            assert torch.equal(r["ac"]["whole"][name], t), name
+def test_activation_checkpointing_under_layered_fsdp2_trains_bit_for_bit_as_without(runs):
+    for r in runs:
+        assert r["diloco_ac"]["losses"] == r["diloco"]["losses"]
+        for name, t in r["diloco"]["whole"].items():
+            assert torch.equal(r["diloco_ac"]["whole"][name], t), name
+
+
+def test_an_overflow_in_one_ranks_half_unit_shard_skips_the_step_on_every_rank(runs):
+    # loss scaling under FSDP2's precision policy: both ranks skip the step together, halve the
+    # scale, and stay equal
+    assert [r["skip"]["optimizer_steps"] for r in runs] == [STEPS - 1] * 2
+    assert [r["skip"]["scale"] for r in runs] == [512.0] * 2
+    for name, t in runs[0]["skip"]["whole"].items():
+        assert torch.isfinite(t).all() and torch.equal(t, runs[1]["skip"]["whole"][name]), name
