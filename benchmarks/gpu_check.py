@@ -7,7 +7,13 @@ so step 2 holds a periodic scheme's sync; ``torch.cuda.max_memory_allocated`` is
 peak reset at each batch's start), and ``memory_stats()`` tells where the scheme's state lives. A
 row that fails prints its error and the script exits 1 once the table is out. With one GPU the
 ranks are one (a group of one shard): this checks that every code path runs on CUDA and where
-memory goes, not the exchange between ranks (``tests/cuda/test_nccl_ranks.py`` does that)::
+memory goes, not the exchange between ranks (``tests/cuda/test_nccl_ranks.py`` does that).
+
+A second table runs ``diloco`` with ``shard="fsdp"`` built whole and built empty
+(``Trainer.init_module(empty_init=True)``: parameters on the meta device, materialised on the GPU
+after sharding and initialised there) and under ``LayeredMixedPrecision("layered", "bf16")``
+(FSDP2's per-unit precision), with the device's own peaks (``max_memory_allocated`` and
+``max_memory_reserved``) from the build to the first batch and over training::
 
     python benchmarks/gpu_check.py            # about a minute on one GPU
     python benchmarks/gpu_check.py --dim 2048 # a larger model: the peaks further apart
@@ -25,7 +31,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_commstrats  # noqa: F401  (registers the strategies)
+import lightning_commstrats
+from lightning_commstrats.models.base import declare
 
 PERIODIC = {"sync_period": 2, "sync_period_unit": "steps"}
 SCHEMES: dict[str, dict[str, Any]] = {
@@ -46,11 +53,12 @@ class CheckNet(L.LightningModule):
 
     def __init__(self, vocab: int, dim: int, blocks: int) -> None:
         super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
+        self.emb = declare(nn.Embedding(vocab, dim), "embedding")
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(blocks)
+            declare(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)), "ffn")
+            for _ in range(blocks)
         )
-        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head = declare(nn.Linear(dim, vocab, bias=False), "output")
         self.head.weight = self.emb.weight
         self.losses: list[float] = []
 
@@ -131,6 +139,81 @@ def run(scheme: str, shard: str | None, outer_state: str | None, args: argparse.
     }
 
 
+class BuildPeaks(L.Callback):
+    """The device's peaks from the build to the first batch, then over training."""
+
+    def __init__(self) -> None:
+        self.build: tuple[int, int] = (0, 0)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.build == (0, 0):
+            torch.cuda.synchronize()
+            self.build = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+
+
+def run_build(empty: bool, layered: bool, args: argparse.Namespace) -> dict[str, Any]:
+    strategy = lightning_commstrats.DiLoCoStrategy(**PERIODIC, shard="fsdp", group_size=1)
+    plugins = [lightning_commstrats.LayeredMixedPrecision("layered", dtype="bf16", device="cuda")] if layered else []
+    peaks = BuildPeaks()
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy=strategy,
+        plugins=plugins,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[peaks],
+    )
+    torch.manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with trainer.init_module(empty_init=empty):
+        model = CheckNet(args.vocab, args.dim, args.blocks)
+    built_on = {str(p.device) for p in model.parameters()}
+    start = time.perf_counter()
+    trainer.fit(model, DataLoader(Tokens(args.vocab, 3), batch_size=None))
+    torch.cuda.synchronize()
+    finite = all(torch.isfinite(torch.tensor(model.losses)).tolist())
+    return {
+        "seconds": time.perf_counter() - start,
+        "ok": finite and len(model.losses) == 3,
+        "loss": model.losses[-1],
+        "built_on": ", ".join(sorted(built_on)),
+        "model": 4 * sum(p.numel() for p in model.parameters()),
+        "build": (peaks.build[0] - before, peaks.build[1]),
+        "train": (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()),
+    }
+
+
+def build_table(args: argparse.Namespace) -> tuple[list[str], int]:
+    rows = [
+        "| diloco, shard='fsdp' | built on | runs | last loss | model MiB | build peak MiB (allocated / reserved)"
+        " | training peak MiB (allocated / reserved) | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    failed = 0
+    for empty, layered in ((False, False), (True, False), (False, True), (True, True)):
+        label = f"| {'empty' if empty else 'whole'}{', layered bf16' if layered else ''} |"
+        try:
+            r = run_build(empty, layered, args)
+        except Exception as err:  # report and go on
+            failed += 1
+            rows.append(f"{label} FAIL: {type(err).__name__}: {str(err)[:120]} | | | | | | |")
+            continue
+        failed += not r["ok"]
+        rows.append(
+            f"{label} {r['built_on']} | {'yes' if r['ok'] else 'NO'} | {r['loss']:.3f} | {r['model'] / MIB:.1f}"
+            f" | {r['build'][0] / MIB:.1f} / {r['build'][1] / MIB:.1f}"
+            f" | {r['train'][0] / MIB:.1f} / {r['train'][1] / MIB:.1f} | {r['seconds']:.1f} |"
+        )
+    return rows, failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=32768)
@@ -166,7 +249,10 @@ def main() -> int:
                     f" | {r['sync'] / MIB:.1f} | {(r['sync'] - r['plain']) / MIB:+.1f} | {where} | {r['seconds']:.1f} |"
                 )
     print("\n".join(rows))
-    return 1 if failed else 0
+    built, failed_builds = build_table(args)
+    print()
+    print("\n".join(built))
+    return 1 if failed or failed_builds else 0
 
 
 if __name__ == "__main__":
