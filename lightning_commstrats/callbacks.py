@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_commstrats.comm import CommSnapshot, CommStats, delta
 from lightning_commstrats.sharding import format_memory
+from lightning_commstrats.sharding.traffic import FSDP_TAGS
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,11 @@ def format_summary(s: CommSnapshot) -> str:
     tags = ", ".join(f"{t} {c.bytes_sent / MB:.3f} MB" for t, c in sorted(s.by_tag.items()))
     setup = f" + {s.setup_bytes / MB:.3f} MB once at setup" if s.setup_bytes else ""
     background = f"; background exchanges {s.background_seconds:.2f}s on the wire" if s.background_seconds else ""
+    inside = sum(c.bytes_sent for t, c in s.by_tag.items() if t in FSDP_TAGS)
+    inside_text = f", {inside / MB:.3f} MB of it FSDP2's inside the groups" if inside else ""
     return (
-        f"[comm] steps {s.steps}: sent {s.bytes_sent / MB:.3f} MB ({s.steady_bytes_per_step / MB:.4f} MB/step{setup})"
+        f"[comm] steps {s.steps}: sent {s.bytes_sent / MB:.3f} MB ({s.steady_bytes_per_step / MB:.4f} MB/step{setup}"
+        f"{inside_text})"
         f" in {s.calls} calls; waited {s.comm_seconds:.2f}s for communication"
         f" ({100 * share:.0f}% of wall time), compute {s.compute_seconds:.2f}s{background}"
         + (f"; by kind: {tags}" if tags else "")

@@ -105,3 +105,19 @@ def test_the_summary_during_training_goes_through_a_drawing_progress_bar_not_int
     with caplog.at_level(logging.INFO):
         _trainer(strategy=AllReduceStrategy(), callbacks=[CommStatsMonitor(summary_every_n_steps=2)]).fit(BoringModel())
     assert "[comm] steps 2" in caplog.text
+
+
+def test_the_summary_says_how_much_of_the_traffic_fsdp2_sent_inside_the_groups():
+    from lightning_commstrats.callbacks import format_summary
+    from lightning_commstrats.comm import CommStats
+
+    stats = CommStats()
+    stats.record("fsdp_gather", 3_000_000, 0.0)
+    stats.record("fsdp_reduce", 1_000_000, 0.0)
+    stats.record("pseudo_grad", 500_000, 0.0)
+    stats.mark_step()
+    line = format_summary(stats.snapshot())
+    assert "sent 4.500 MB (4.5000 MB/step, 4.000 MB of it FSDP2's inside the groups)" in line, line
+    plain = CommStats()
+    plain.record("grad", 500_000, 0.0)
+    assert "inside the groups" not in format_summary(plain.snapshot())

@@ -30,6 +30,7 @@ from lightning_commstrats.comm.wire import all_gather_bytes, reduce_scatter_byte
 
 GATHER_TAG = "fsdp_gather"
 REDUCE_TAG = "fsdp_reduce"
+FSDP_TAGS = (GATHER_TAG, REDUCE_TAG)
 
 
 class _Allocate:
