@@ -61,6 +61,84 @@ def visit(t: Tensor | None, device: torch.device) -> Tensor | None:
     return t.to(device, non_blocking=t.is_pinned())
 
 
+RESIDUAL_PLACES = ("device", "host")
+
+
+def check_residuals(residuals: Any, name: str = "residuals") -> None:
+    """``residuals`` (where error-feedback residuals wait between steps) must be one of :data:`RESIDUAL_PLACES`."""
+    if residuals not in RESIDUAL_PLACES:
+        raise ValueError(
+            f"{name}={residuals!r} is not supported; choose one of {RESIDUAL_PLACES} (where the error-feedback"
+            " residuals wait between steps: on the training device, or in host memory, pinned on CUDA)"
+        )
+
+
+def residual_home(residuals: str) -> torch.device | None:
+    """The :class:`Parking` home of a ``residuals`` setting: the host, or ``None`` (where they are made)."""
+    check_residuals(residuals)
+    return torch.device("cpu") if residuals == "host" else None
+
+
+class Parking:
+    """Where a holder's error-feedback residuals wait between calls, and their copies there and back.
+
+    ``home`` ``None``: where they are made (the training device); nothing moves. The host
+    (``torch.device("cpu")``) on a CUDA run: each residual waits in pinned host memory and comes to
+    the device only while its tensor is encoded, and no copy makes the host wait:
+
+    - :meth:`park` copies into a new pinned buffer with ``non_blocking=True`` on the current stream
+      (after the kernels that made the residual, in stream order), then records an event;
+    - :meth:`visit` makes the current stream wait for that event (a wait on the device: a visit from
+      another stream than the parking one still reads what was written) and copies to the device
+      with ``non_blocking=True`` from pinned memory;
+    - the host reads residuals only after :meth:`settle` (a checkpoint, a snapshot), which waits for
+      the event.
+
+    Every park writes a new buffer, never the old one: the old one may still be read by a visit
+    queued earlier, or held by a checkpoint being written. PyTorch's pinned-memory allocator hands a
+    freed buffer out again only once the copies queued on it have run (it records an event for every
+    non-blocking copy from or into pinned memory), so that memory comes back without a synchronisation
+    either. A residual handed in from the host (a checkpoint's) is kept as it is until its first
+    park: pageable memory, copied to the device synchronously by that one visit. On a CPU run the
+    host is the device: nothing is copied.
+    """
+
+    def __init__(self, home: torch.device | None = None) -> None:
+        self.home = home
+        self._parked: Any = None  # torch.cuda.Event after the last non-blocking parks
+
+    def park(self, t: Tensor) -> Tensor:
+        """``t`` kept at the home (itself when it is there already, or there is none)."""
+        if self.home is None or t.device == self.home:
+            return t
+        pinned = self.home.type == "cpu" and t.is_cuda
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.home, pin_memory=pinned)
+        return out.copy_(t, non_blocking=pinned)
+
+    def park_all(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """:meth:`park` every value, then one event after the copies (the host went on meanwhile)."""
+        out = {name: self.park(t) for name, t in tensors.items()}
+        if any(t.is_cuda for t in tensors.values()) and any(t.is_pinned() for t in out.values()):
+            self._parked = torch.cuda.Event()
+            self._parked.record()
+        return out
+
+    def visit(self, t: Tensor | None, device: torch.device) -> Tensor | None:
+        """``t`` on ``device`` to be used there; a copy from pinned memory is queued on the current
+        stream after the parks (see the class notes)."""
+        if t is None or t.device == device:
+            return t
+        if self._parked is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self._parked)
+        return t.to(device, non_blocking=t.is_pinned())
+
+    def settle(self) -> None:
+        """Wait until the parked residuals are written (before the host reads them)."""
+        if self._parked is not None:
+            self._parked.synchronize()
+            self._parked = None
+
+
 def plan_buckets(tensors: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     """Group tensor indices into buckets of one dtype and device, each at most ``cap_bytes`` (a tensor
     larger than the cap gets a bucket of its own)."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_commstrats.buckets import park, visit
+from lightning_commstrats.buckets import Parking
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.quantizers import ColumnCodec, E3M0Codec, pack_bits, packed_bytes, unpack_bits
 
@@ -139,11 +139,21 @@ class QuantizedAllReduce:
         self.tag = tag
         self.residuals: dict[str, Tensor] = {}
         self.residuals2: dict[str, Tensor] = {}
-        self.home: torch.device | None = None  # where residuals are kept between calls (None: where made)
+        self.parking = Parking()  # where residuals are kept between calls (see home)
         self._layouts: dict[str, MatrixLayout] = {}
         self.nonfinite: list[str] = []  # names whose last average was not finite (residuals then kept)
         self._pending: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._arrays = _scale_arrays(codec)
+
+    @property
+    def home(self) -> torch.device | None:
+        """Where the residuals wait between calls: ``None`` (where they are made, the gradients' device)
+        or the host (pinned memory on CUDA; see :class:`~lightning_commstrats.buckets.Parking`)."""
+        return self.parking.home
+
+    @home.setter
+    def home(self, home: torch.device | None) -> None:
+        self.parking.home = home
 
     def layout(self, name: str, shape: torch.Size) -> MatrixLayout:
         lay = self._layouts.get(name)
@@ -179,7 +189,7 @@ class QuantizedAllReduce:
         new_res: dict[str, Tensor] = {}
         for name, lay in zip(names, layouts, strict=True):
             v = column_major(grads[name], lay)
-            res = visit(self.residuals.get(name), v.device)
+            res = self.parking.visit(self.residuals.get(name), v.device)
             if res is not None and res.shape == v.shape:
                 v += res
             # a codec could squash an inf into finite codes: NaN everywhere makes every owner see it
@@ -278,7 +288,7 @@ class QuantizedAllReduce:
             group_bytes += n * c * rows * 4
         totals += _sum_in_rank_order(group)
         with_res2 = [
-            (total, visit(self.residuals2[name], total.device))
+            (total, self.parking.visit(self.residuals2[name], total.device))
             for (name, _, _), total in zip(owned, totals, strict=True)
             if name in self.residuals2 and self.residuals2[name].shape == total.shape
         ]
@@ -326,8 +336,8 @@ class QuantizedAllReduce:
     def commit(self) -> None:
         """Keep the residuals of the last call (only ever finite ones; a no-op after a non-finite call)."""
         if self._pending is not None:
-            self.residuals.update({n: park(r, self.home) for n, r in self._pending[0].items()})
-            self.residuals2.update({n: park(r, self.home) for n, r in self._pending[1].items()})
+            self.residuals.update(self.parking.park_all(self._pending[0]))
+            self.residuals2.update(self.parking.park_all(self._pending[1]))
             self._pending = None
 
     def discard(self) -> None:
@@ -360,12 +370,13 @@ class QuantizedAllReduce:
         return self.codec.payload_bytes(c1 - c0, lay.rows) if c1 > c0 else 0
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        """Both stages' error-feedback residuals, per tensor name (rank-local)."""
+        """Both stages' error-feedback residuals, per tensor name (rank-local), written where they are kept."""
+        self.parking.settle()
         return {"residuals": dict(self.residuals), "residuals2": dict(self.residuals2)}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
-        self.residuals = {n: park(r.float(), self.home) for n, r in state.get("residuals", {}).items()}
-        self.residuals2 = {n: park(r.float(), self.home) for n, r in state.get("residuals2", {}).items()}
+        self.residuals = self.parking.park_all({n: r.float() for n, r in state.get("residuals", {}).items()})
+        self.residuals2 = self.parking.park_all({n: r.float() for n, r in state.get("residuals2", {}).items()})
 
     def reset(self) -> None:
         """Forget both residuals (they restart at zero)."""

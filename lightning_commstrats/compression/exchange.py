@@ -36,7 +36,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_commstrats.buckets import BucketKey, FlatBuffers, layout_key, plan_buckets, unflatten_into
+from lightning_commstrats.buckets import (
+    BucketKey,
+    FlatBuffers,
+    check_residuals,
+    layout_key,
+    plan_buckets,
+    residual_home,
+    unflatten_into,
+)
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import MatrixLayout, QuantizedAllReduce
 from lightning_commstrats.compression.density import StatisticalAllGather
@@ -376,6 +384,9 @@ class GradientCompression:
         distributed_after_unit: ``"samples"`` (over all ranks, CNTK's unit) or ``"steps"``.
         small_tensor_numel: tensors this small (or 1-D) always travel in fp32.
         half_dtype: the 16-bit format.
+        residuals: where the error-feedback residuals wait between steps: ``"device"`` (default: where
+            they are made) or ``"host"`` (pinned host memory on CUDA, each brought to the device while
+            its gradient is encoded; see :class:`~lightning_commstrats.buckets.Parking`).
     """
 
     def __init__(
@@ -385,8 +396,11 @@ class GradientCompression:
         distributed_after_unit: str = "samples",
         small_tensor_numel: int = 1024,
         half_dtype: str = "float16",
+        *,
+        residuals: str = "device",
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel, name="num_quantization_bits")
+        check_residuals(residuals)
         if isinstance(distributed_after, bool) or not isinstance(distributed_after, int) or distributed_after < 0:
             raise ValueError(f"distributed_after must be an int >= 0, got {distributed_after!r}")
         if distributed_after_unit not in WARM_START_UNITS:
@@ -398,6 +412,7 @@ class GradientCompression:
         self.distributed_after_unit = distributed_after_unit
         self.small_tensor_numel = small_tensor_numel
         self.half_dtype = half_dtype
+        self.residuals = residuals
         self.exchange: TensorExchange | None = None
 
     def bind(self, comm: Communicator, bucket_cap_mb: float, average: Average | None = None) -> TensorExchange:
@@ -418,6 +433,7 @@ class GradientCompression:
                 tag="grad",
                 bucket_cap_mb=bucket_cap_mb,
                 average=average,
+                residual_home=residual_home(self.residuals),
             )
         return self.exchange
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_commstrats.buckets import BucketKey
+from lightning_commstrats.buckets import BucketKey, check_residuals, residual_home
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.aggregation import QuantizedAllReduce
 from lightning_commstrats.compression.quantizers import ColumnCodec
@@ -66,10 +66,15 @@ class TwoLevelAllReduce:
             feedback, the residuals kept per bucket, see :meth:`state_dict`).
         hold: keep each call's new residuals until :meth:`commit` (or drop them at :meth:`discard`);
             default False: they are kept at once.
+        residuals: where the slow hop's residuals wait between calls: ``"device"`` (default) or
+            ``"host"`` (see :attr:`SlowHop.residuals`).
     """
 
-    def __init__(self, comm: Communicator, group_size: int, slow_bits: int = 32, *, hold: bool = False) -> None:
+    def __init__(
+        self, comm: Communicator, group_size: int, slow_bits: int = 32, *, hold: bool = False, residuals: str = "device"
+    ) -> None:
         check_slow_bits(slow_bits)
+        check_residuals(residuals)
         groups, across = group_layout(comm.world_size, group_size)
         self.comm = comm
         self.group_size = group_size
@@ -77,7 +82,7 @@ class TwoLevelAllReduce:
         self.slow_bits = slow_bits
         self.inner = comm.new_subgroups(groups)
         self.outer = comm.new_subgroups(across)
-        self.slow = SlowHop(self.outer, slow_bits, hold=hold)
+        self.slow = SlowHop(self.outer, slow_bits, hold=hold, residuals=residuals)
 
     def __repr__(self) -> str:
         return (
@@ -110,6 +115,15 @@ class TwoLevelAllReduce:
         """Buckets whose last quantized slow hop was not finite (their residuals were kept)."""
         return self.slow.nonfinite
 
+    @property
+    def residuals(self) -> str:
+        """Where the slow hop's residuals wait between calls (see :attr:`SlowHop.residuals`)."""
+        return self.slow.residuals
+
+    @residuals.setter
+    def residuals(self, residuals: str) -> None:
+        self.slow.residuals = residuals
+
     def commit(self) -> None:
         """Keep the residuals held since the last decision (``hold=True``)."""
         self.slow.commit()
@@ -141,8 +155,11 @@ class SlowHop:
     (``shard="fsdp"``), where FSDP2 has reduce-scattered inside the group already.
     """
 
-    def __init__(self, across: Communicator, slow_bits: int = 32, *, hold: bool = False) -> None:
+    def __init__(
+        self, across: Communicator, slow_bits: int = 32, *, hold: bool = False, residuals: str = "device"
+    ) -> None:
         check_slow_bits(slow_bits)
+        check_residuals(residuals)
         self.across = across
         self.slow_bits = slow_bits
         self.hold = hold
@@ -153,6 +170,22 @@ class SlowHop:
             if slow_bits < 32 and across.world_size > 1
             else None
         )
+        self.residuals = residuals
+
+    @property
+    def residuals(self) -> str:
+        """Where the error-feedback residuals wait between calls: ``"device"`` (where they are made) or
+        ``"host"`` (pinned host memory on CUDA, each brought to the device for its bucket's call and
+        parked again at :meth:`commit`; see :class:`~lightning_commstrats.buckets.Parking`). Set it
+        before the first call: residuals already kept move at their next commit."""
+        return self._residuals
+
+    @residuals.setter
+    def residuals(self, residuals: str) -> None:
+        check_residuals(residuals)
+        self._residuals = residuals
+        if self.quantized is not None:
+            self.quantized.home = residual_home(residuals)
 
     def __repr__(self) -> str:
         hop = "fp32" if self.slow_bits == 32 else f"{self.slow_bits}-bit"

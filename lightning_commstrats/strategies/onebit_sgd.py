@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, check_residuals
 from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
@@ -76,6 +76,13 @@ class OneBitSGDStrategy(AllReduceStrategy):
             (optimizer steps).
         small_tensor_numel: tensors this small (or 1-D) are all-reduced in fp32.
         half_dtype: the 16-bit format, ``"float16"`` or ``"bfloat16"``.
+        residuals: where the error-feedback residuals (both stages', and with ``slow_hop_bits`` the slow
+            hop's) wait between steps: ``"device"`` (default) or ``"host"``: on CUDA in pinned host
+            memory, each brought to the device for its gradient's encoding and written back after it,
+            both copies queued on the stream without the host waiting
+            (:class:`~lightning_commstrats.buckets.Parking`). Host residuals free device memory the
+            size of the quantized gradients (and their stripe) for two copies of it over the host link
+            every step; the results are bit for bit those of ``"device"``. On CPU the two are the same memory.
         bucket_cap_mb, backend, timeout, start_method: as :class:`AllReduceStrategy`.
         **kwargs: as :class:`AllReduceStrategy` (``resume_mismatch="reset"`` restarts the residuals
             when a checkpoint's do not fit).
@@ -102,15 +109,28 @@ class OneBitSGDStrategy(AllReduceStrategy):
         backend: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: str = "popen",
+        residuals: str = "device",
         **kwargs: Any,
     ) -> None:
+        check_residuals(residuals)
         compression = GradientCompression(
-            num_quantization_bits, distributed_after, distributed_after_unit, small_tensor_numel, half_dtype
+            num_quantization_bits,
+            distributed_after,
+            distributed_after_unit,
+            small_tensor_numel,
+            half_dtype,
+            residuals=residuals,
         )
         super().__init__(
             bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
         )
         self.compression = compression
+        self.reducer.residuals = residuals  # the slow hop's too (connected at setup)
+
+    @property
+    def residuals(self) -> str:
+        """Where the error-feedback residuals wait between steps: ``"device"`` or ``"host"``."""
+        return self.compression.residuals
 
     @property
     def num_quantization_bits(self) -> int:

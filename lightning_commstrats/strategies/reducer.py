@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_commstrats.buckets import BucketKey
+from lightning_commstrats.buckets import BucketKey, check_residuals, residual_home
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import BucketedAllReduce
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce
@@ -42,11 +42,15 @@ class Reducer:
 
     Args:
         bucket_cap_mb: largest fused buffer per collective, MiB.
+        residuals: where the hop's error-feedback residuals wait between steps: ``"device"`` (default)
+            or ``"host"`` (pinned host memory on CUDA; see :attr:`SlowHop.residuals
+            <lightning_commstrats.compression.hierarchical.SlowHop.residuals>`).
     """
 
-    def __init__(self, bucket_cap_mb: float) -> None:
+    def __init__(self, bucket_cap_mb: float, residuals: str = "device") -> None:
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.hop: Hop | None = None  # the gradients' two levels or slow hop, once connected
+        self.residuals = residuals
         self._world: Communicator | None = None
         self._replicas: Communicator | None = None
         self._fused: dict[str, BucketedAllReduce] = {}
@@ -54,10 +58,31 @@ class Reducer:
     def __repr__(self) -> str:
         return f"Reducer(gradients by {self.hop!r})" if self.hop is not None else "Reducer(flat)"
 
+    @property
+    def residuals(self) -> str:
+        """Where the hop's residuals wait between steps (``"device"`` or ``"host"``); set on the hop now
+        and at every :meth:`connect`."""
+        return self._residuals
+
+    @residuals.setter
+    def residuals(self, residuals: str) -> None:
+        check_residuals(residuals)
+        self._residuals = residuals
+        if self.hop is not None:
+            self.hop.residuals = residuals
+
+    @property
+    def home(self) -> torch.device | None:
+        """Where the hop's residuals are kept: the host, or ``None`` (the training device)."""
+        return residual_home(self._residuals)
+
     def connect(self, world: Communicator, replicas: Communicator, hop: Hop | None) -> None:
         """Reduce over ``world`` (every rank) and ``replicas`` (the ranks that hold the same tensors),
-        gradients through ``hop`` when given; its state starts empty."""
+        gradients through ``hop`` when given (its residuals kept where :attr:`residuals` says); its
+        state starts empty."""
         self._world, self._replicas, self.hop = world, replicas, hop
+        if hop is not None:
+            hop.residuals = self._residuals
         self._fused.clear()
 
     def reduce(

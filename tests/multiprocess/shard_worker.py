@@ -18,7 +18,10 @@ unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optim
 ``nan_at`` ([step, rank]: a NaN in that rank's embedding gradient shard), ``dims``, ``model`` (``"tied"``,
 default, or ``"gpt2"``: Hugging Face's GPT-2), ``epoch_steps`` (batches per
 epoch: a checkpoint at an epoch's end resumes on the same data), ``val_every`` (validate every that
-many batches during fit, on 2 batches of other data; ``validations`` counts how many ran).
+many batches during fit, on 2 batches of other data; ``validations`` counts how many ran),
+``reducer_residuals`` (set the strategy's ``reducer.residuals``: where the slow hop's residuals wait).
+Each result also has ``residuals``: per holder of error-feedback residuals (``hop``: the slow hop's,
+``exchange``: a gradient compression's), its home and each residual's device and whether it is pinned.
 """
 
 from __future__ import annotations
@@ -164,10 +167,33 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if is_dtensor(t) else t).detach().cpu().clone()
 
 
+def residuals_kept(strategy: Any) -> dict[str, Any]:
+    """Where the strategy's error-feedback residuals are held (see the module docstring)."""
+    holders = {}
+    hop = strategy.two_level
+    slow = getattr(hop, "slow", hop)
+    if slow is not None and slow.quantized is not None:
+        holders["hop"] = slow.quantized
+    compression = getattr(strategy, "compression", None)
+    if compression is not None and compression.exchange is not None and compression.exchange.quantized is not None:
+        holders["exchange"] = compression.exchange.quantized
+    out = {}
+    for key, q in holders.items():
+        tensors = [*q.state_dict()["residuals"].values(), *q.state_dict()["residuals2"].values()]
+        out[key] = {
+            "home": str(q.home),
+            "tensors": [(str(t.device), t.is_pinned()) for t in tensors],
+            "bytes": sum(t.numel() * t.element_size() for t in tensors),
+        }
+    return out
+
+
 def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tuple[int, dict[str, Any]]:
     L.seed_everything(sc.get("seed", 3), verbose=False)
     model = MODELS[sc.get("model", "tied")](sc.get("optimizer", "adamw"), **sc.get("dims", {}))
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
+    if sc.get("reducer_residuals"):
+        strategy.reducer.residuals = sc["reducer_residuals"]
     record = Record(bool(sc.get("trace")))
     callbacks: list[L.Callback] = [record]
     if sc.get("nan_at"):
@@ -225,6 +251,7 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         "optimizer_steps": strategy.optimizer_steps,
         "sharded": all(is_dtensor(p) for p in model.parameters()),
         "validations": model.validations,
+        "residuals": residuals_kept(strategy),
     }
     return trainer.global_rank, result
 
