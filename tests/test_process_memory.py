@@ -21,7 +21,6 @@ from lightning_commstrats.sharding import ProcessMemory, fix_mmap_threshold, for
 from lightning_commstrats.sharding import process_memory as pm
 
 MIB = 2**20
-REPO = Path(__file__).resolve().parents[1]
 linux_only = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status")
 
 
@@ -183,19 +182,20 @@ def test_fix_mmap_threshold_refuses_a_bad_threshold_and_does_nothing_without_gli
     assert not applied and why.startswith("not glibc")
 
 
-# A process frees one 16 MiB block (glibc then raises its mmap threshold to 16 MiB), fills 256 MiB with
-# 1 MiB tensors, frees all but the last (which pins the heap's top): how much stays resident.
+# A fresh process frees one 16 MiB block (glibc then raises its mmap threshold to 16 MiB), fills 256 MiB
+# with 1 MiB tensors and frees all but the last (which pins the heap's top): how much stays resident. A
+# process of its own for each setting: blocks already free in a heap are reused before any new mapping,
+# and stay in the heap when freed again, whatever the threshold.
 KEEPS = """
 import importlib.util, sys, torch
 # the module alone (it needs only torch): importing the package would start Lightning, seconds here
 spec = importlib.util.spec_from_file_location("process_memory", sys.argv[2])
 pm = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pm)
-fix_mmap_threshold = pm.fix_mmap_threshold
 def rss(): return pm._status()["VmRSS"]
 big = torch.ones(4 * 2**20); del big
 if sys.argv[1] == "fixed":
-    applied, why = fix_mmap_threshold()
+    applied, why = pm.fix_mmap_threshold()
     assert applied, why
 base = rss()
 held = [torch.ones(2**18) for _ in range(256)]
@@ -205,28 +205,28 @@ print(rss() - base)
 """
 
 
-def retained_after_free(setting: str) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(KEEPS), setting, pm.__file__],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return int(out.stdout.split()[-1])
-
-
 @linux_only
 def test_with_the_mmap_threshold_fixed_freed_tensors_go_back_to_the_system():
     if not _glibc():
         pytest.skip("not glibc")
-    kept_default = retained_after_free("default")
-    kept_fixed = retained_after_free("fixed")
+    procs = {
+        setting: subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(KEEPS), setting, pm.__file__],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for setting in ("default", "fixed")
+    }
+    kept = {}
+    for setting, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        kept[setting] = int(out.split()[-1])
     # glibc's defaults keep the freed 1 MiB blocks in the heap (the test sees the difference) ...
-    assert kept_default > 200 * MIB, f"glibc's defaults handed back all but {kept_default / MIB:.0f} MiB"
+    assert kept["default"] > 200 * MIB, f"glibc's defaults handed back all but {kept['default'] / MIB:.0f} MiB"
     # ... and with the threshold fixed they go back
-    assert kept_fixed < 32 * MIB, f"{kept_fixed / MIB:.0f} MiB stayed resident with the threshold fixed"
+    assert kept["fixed"] < 32 * MIB, f"{kept['fixed'] / MIB:.0f} MiB stayed resident with the threshold fixed"
 
 
 def _glibc() -> bool:
