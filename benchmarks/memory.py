@@ -61,7 +61,9 @@ resident set (``VmHWM``) above the resident set when the rank began to build the
 strategy). The allocator settings: glibc's defaults, and its mmap threshold fixed at 128 KiB at the
 rank's start by :func:`~lightning_commstrats.sharding.process_memory.fix_mmap_threshold` (as
 ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment would). "Apart" is the run's peak above the start
-over the accounted tensors. Sizes (``--os-size``): ``small`` (d 512, 4 blocks, 12.6M parameters: about a
+over the accounted tensors. The cost of the setting: the fit's seconds (noisy on shared cores) and its
+minor page faults (``getrusage``: every block the allocator maps afresh is faulted in page by page).
+Sizes (``--os-size``): ``small`` (d 512, 4 blocks, 12.6M parameters: about a
 minute on two ranks on two shared cores, two on four ranks), ``big`` (d 1024, 8 blocks, 75.5M
 parameters). Results go to ``--out``'s ``os-<size>/`` (tables 1 and 2's files stay).
 """
@@ -483,9 +485,10 @@ OS_SIZES: dict[str, tuple[int, int]] = {"small": (512, 4), "big": (1024, 8)}  # 
 OS_ALLOCATORS = ("glibc defaults", "mmap threshold fixed")
 
 
-def mlp_lm(vocab: int, dim: int, blocks: int, lr: float = 0.1) -> Any:
-    """A language model of residual MLP blocks: tied embedding, ``blocks`` x (``Linear(dim, 4 dim)``,
-    GELU, ``Linear(4 dim, dim)``) added to their input, plain SGD (no optimizer state)."""
+def mlp_lm(vocab: int, dim: int, blocks: int, lr: float = 0.05) -> Any:
+    """A language model of residual MLP blocks: tied embedding (std 0.02: the default N(0, 1) makes the
+    tied logits hundreds and SGD diverge), ``blocks`` x (``Linear(dim, 4 dim)``, GELU,
+    ``Linear(4 dim, dim)``) added to their input, plain SGD (no optimizer state)."""
     import lightning as L
     import torch
     from torch import nn
@@ -499,6 +502,7 @@ def mlp_lm(vocab: int, dim: int, blocks: int, lr: float = 0.1) -> Any:
             )
             self.head = nn.Linear(dim, vocab, bias=False)
             self.head.weight = self.emb.weight
+            nn.init.normal_(self.emb.weight, std=0.02)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.emb(x)
@@ -572,8 +576,10 @@ def run_os(run: dict[str, Any], rank: int) -> dict[str, Any]:
         callbacks=[measure],
     )
     start = time.perf_counter()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None, shuffle=False))
     seconds = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     tracker.close()
     return {
         "numel": numel,
@@ -582,6 +588,7 @@ def run_os(run: dict[str, Any], rank: int) -> dict[str, Any]:
         "losses": measure.losses,
         "rss": tracker.stats()["rss"],
         "seconds": seconds,
+        "faults": faults,
     }
 
 
@@ -622,6 +629,7 @@ def measure_os(size: str, ranks: int, steps: int, log: Any = print) -> list[dict
                         "note": rss.get("note"),
                         "losses": r["losses"],
                         "seconds": r["seconds"],
+                        "faults": r["faults"],
                     }
                 )
     return rows
@@ -640,8 +648,9 @@ def format_os(rows: list[dict[str, Any]], size: str) -> str:
         " MiB per rank; peaks are VmHWM above VmRSS when the rank began to build the model.",
         "",
         "| layout | allocator | rank | params / grads / optim / scheme | tensors (max over steps)"
-        " | peak RSS: build / training / sync | peak RSS, run | apart: run peak / tensors | run peak / model |",
-        "|---|---|--:|---|--:|---|--:|--:|--:|",
+        " | peak RSS: build / training / sync | peak RSS, run | apart: run peak / tensors | run peak / model"
+        " | loss first -> last | fit s | page faults in fit (k) |",
+        "|---|---|--:|---|--:|---|--:|--:|--:|---|--:|--:|",
     ]
     for r in rows:
         b, ph = r["bytes"], r["phases"]
@@ -650,7 +659,8 @@ def format_os(rows: list[dict[str, Any]], size: str) -> str:
             + " / ".join(mib(b[k]) for k in KINDS)
             + f" | {mib(r['total'])} | {above(ph.get('build'))} / {above(ph.get('training'))} /"
             f" {above(ph.get('sync'))} | {mib(r['peak'])} | {r['peak'] / r['total']:.2f}x"
-            f" (+{mib(r['peak'] - r['total'])}) | {r['peak'] / model_bytes:.2f}x |"
+            f" (+{mib(r['peak'] - r['total'])}) | {r['peak'] / model_bytes:.2f}x"
+            f" | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | {r['seconds']:.1f} | {r['faults'] / 1e3:.0f} |"
         )
     notes = {r["note"] for r in rows if r["note"]}
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
