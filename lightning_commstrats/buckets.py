@@ -118,9 +118,10 @@ class Parking:
     def park_all(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`park` every value, then one event after the copies (the host went on meanwhile)."""
         out = {name: self.park(t) for name, t in tensors.items()}
-        if any(t.is_cuda for t in tensors.values()) and any(t.is_pinned() for t in out.values()):
+        made = next((t.device for name, t in tensors.items() if t.is_cuda and out[name] is not t), None)
+        if made is not None:  # on the stream the copies were queued on
             self._parked = torch.cuda.Event()
-            self._parked.record()
+            self._parked.record(torch.cuda.current_stream(made))
         return out
 
     def visit(self, t: Tensor | None, device: torch.device) -> Tensor | None:
