@@ -50,13 +50,36 @@ def dtensor_zeros(shape: tuple, **kwargs: Any) -> Tensor:
     return zeros(*shape, **kwargs)
 
 
+_HOST_MESHES: dict[int, Any] = {}  # id of a device's mesh -> (that mesh, its host twin)
+
+
+def host_mesh(mesh: Any) -> Any:
+    """A mesh over the same ranks as ``mesh`` whose device is the host (``mesh`` itself when it is):
+    what host-held state (``outer_state="host"``: the global model, the outer optimizer's state, in
+    pinned memory on CUDA) is described with. ``DTensor.from_local`` moves a local tensor to its mesh's
+    device, so a CUDA mesh would take such state to the GPU and back on every save and load. The twin
+    makes no process group: DCP reads only its ranks' coordinates, and its own collectives (plans, a
+    few objects) go over the default group."""
+    if mesh.device_type == "cpu":
+        return mesh
+    known = _HOST_MESHES.get(id(mesh))
+    if known is None or known[0] is not mesh:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        twin = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False)
+        known = _HOST_MESHES[id(mesh)] = (mesh, twin)
+    return known[1]
+
+
 def _dtensor_like(shard: Tensor, param: Tensor) -> Tensor:
-    """``shard`` (this rank's part, shaped like ``param``'s local shard) as a DTensor sharded as ``param``."""
+    """``shard`` (this rank's part, shaped like ``param``'s local shard) as a DTensor sharded as ``param``,
+    where ``shard`` is: a shard on the host stays there (see :func:`host_mesh`)."""
     from torch.distributed.tensor import DTensor
 
+    mesh = host_mesh(param.device_mesh) if shard.device.type == "cpu" else param.device_mesh
     return DTensor.from_local(
         shard.detach().reshape(local(param).shape).contiguous(),
-        device_mesh=param.device_mesh,
+        device_mesh=mesh,
         placements=param.placements,
         shape=param.shape,
         stride=param.stride(),
@@ -83,6 +106,8 @@ class _Encoder:
             "placements": placements,
             "shape": tuple(tensor.shape),
             "dtype": tensor.dtype,
+            # a rank's own state held on the host (residuals="host"): read back there, not to the device
+            "host": kind == "rank" and tensor.device.type == "cpu",
         }
 
     def split(self, key: str, flat: Tensor, names: list[str], scope: str) -> dict[str, Any]:
@@ -92,6 +117,8 @@ class _Encoder:
             p = self.params[name]
             n = local(p).numel()
             out[name] = self.put(f"{key}/{name}", _dtensor_like(flat[offset : offset + n], p), scope)
+            # held on the host (outer_state="host"): read back there (see host_mesh)
+            out[name]["host"] = flat.device.type == "cpu"
             offset += n
         return {_PH: "split", "parts": out, "dtype": flat.dtype}
 
@@ -148,6 +175,16 @@ def _placeholders(skeleton: Any) -> list[dict[str, Any]]:
     return found
 
 
+def template(ph: dict[str, Any], mesh: Any) -> Tensor:
+    """The tensor DCP reads placeholder ``ph`` into: a plain host tensor for a rank's own or a plain
+    entry, else a DTensor over ``mesh``, or over its host twin when it was saved from the host (read
+    where the strategy keeps it, with no trip through the device)."""
+    if ph[_PH] in ("rank", "plain"):
+        return torch.empty(ph["shape"], dtype=ph["dtype"])
+    on = host_mesh(mesh) if ph.get("host", False) else mesh
+    return dtensor_zeros(ph["shape"], dtype=ph["dtype"], device_mesh=on, placements=ph["placements"])
+
+
 def _decode(skeleton: Any, loaded: dict[str, Tensor], device: torch.device) -> Any:
     if isinstance(skeleton, dict):
         kind = skeleton.get(_PH)
@@ -160,8 +197,9 @@ def _decode(skeleton: Any, loaded: dict[str, Tensor], device: torch.device) -> A
             t = loaded.get(skeleton["key"])
             if t is None:
                 return None
-            # a DTensor stays one (a split's parts are put back together from their local shards)
-            return t.to(device) if kind in ("rank", "plain") else t
+            # a DTensor stays one (a split's parts are put back together from their local shards); a
+            # tensor saved from the host stays there (placeholders written before the mark: the device)
+            return t.to(device) if kind in ("rank", "plain") and not skeleton.get("host", False) else t
         return {k: _decode(v, loaded, device) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
         return [_decode(v, loaded, device) for v in skeleton]
@@ -280,11 +318,7 @@ def load(
     # mine: the source rank's optimizers, rank state and the rest; on another layout its own entries
     # come too (buffers a Fabric checkpoint holds), and the scheme's reshard rule drops what it must
     for ph in _placeholders([meta["model"], meta["state"], mine]):
-        if ph[_PH] in ("rank", "plain"):
-            wanted[ph["key"]] = torch.empty(ph["shape"], dtype=ph["dtype"])
-        else:
-            placements = ph["placements"]
-            wanted[ph["key"]] = dtensor_zeros(ph["shape"], dtype=ph["dtype"], device_mesh=mesh, placements=placements)
+        wanted[ph["key"]] = template(ph, mesh)
     dcp.load(wanted, checkpoint_id=path)
     checkpoint = _decode(mine["rest"], wanted, device)
     checkpoint["state_dict"] = _decode(meta["model"], wanted, device)

@@ -194,7 +194,8 @@ class StateStore:
             saved = {**saved, "rank": rank_state}
         st.reducer.reset()  # the hop's residuals carry over only to the same ranks; else restart at zero
         if two_level is not None and saved["world_size"] == st.world_size:
-            st.reducer.load_state_dict(to_device(two_level, st.root_device))
+            # where the hop keeps them (residuals="host": the host, as read; no trip through the device)
+            st.reducer.load_state_dict(to_device(two_level, st.reducer.home or st.root_device))
         if saved["strategy"] != name:
             log_rank_zero(
                 log,
