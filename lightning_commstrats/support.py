@@ -117,11 +117,14 @@ def _not(axis: str, *values: str) -> tuple[str, ...]:
 
 RULES: tuple[Rule, ...] = (
     Rule(
-        {"scheme": (*_not("scheme", "allreduce", "onebit_sgd", *PERIODIC), "local_sgd"), "shard": SHARDS},
+        {
+            "scheme": (*_not("scheme", "allreduce", "onebit_sgd", "expert_parallel", *PERIODIC), "local_sgd"),
+            "shard": SHARDS,
+        },
         "refused",
         "construction",
-        "sharding with FSDP2 is supported by allreduce, onebit_sgd and the periodic schemes that exchange "
-        "over torch.distributed; local_sgd talks MPI",
+        "sharding with FSDP2 is supported by allreduce, onebit_sgd, expert_parallel and the periodic schemes that "
+        "exchange over torch.distributed; local_sgd talks MPI",
         "sharding.layout.check_shard",
     ),
     Rule(
@@ -414,8 +417,12 @@ def strategy_settings(case: Mapping[str, str], four_ranks: bool = False) -> Sett
             kwargs["group_size"] = 1  # two groups of one rank: the whole average crosses the slow hop
     if case["replicas"] == "fault_tolerance":
         kwargs["fault_tolerance"] = {"lighthouse": "http://127.0.0.1:29510", "replica_id": "a"}
-    if scheme == "expert_parallel" and world != 2:
-        kwargs["ep_size"] = world
+    if scheme == "expert_parallel":
+        if case["shard"] == "none":
+            kwargs["ep_size"] = world
+        else:  # FSDP2 over the layout's inner dimension, which sets the groups: dp x ep = groups x size
+            size = kwargs.pop("group_size")
+            kwargs.update(ep_size=size, inner="ep") if size > 1 else kwargs.update(ep_size=world, inner="dp")
     model = {"sampled_vocab": "lm", "expert_parallel": "moe"}.get(scheme, "mlp")
     model_kwargs: dict[str, Any] = {}
     if scheme in ("onebit_adam", "zero_one_adam", "sparseloco") and model == "mlp":

@@ -21,9 +21,21 @@ def test_schemes_that_cannot_shard_refuse_it_by_name(make):
         make(shard="fsdp")
 
 
-def test_expert_parallel_refuses_shard():
-    with pytest.raises(ValueError, match="cannot honour shard='fsdp'"):
-        lc.ExpertParallelStrategy(shard="fsdp")
+def test_expert_parallel_shards_over_its_inner_dimension_and_refuses_another_group_size():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    def layout(**kwargs):
+        strategy = lc.ExpertParallelStrategy(shard="fsdp", ep_size=2, **kwargs)
+        strategy.parallel_devices = [torch.device("cpu")] * 8
+        strategy.cluster_environment = LightningEnvironment()
+        strategy.set_world_ranks()
+        return strategy
+
+    assert layout(inner="dp").group_size == 4  # dp x ep = 4 x 2: the 4 replicas of the same experts
+    assert layout(inner="ep").group_size == 2  # an expert-parallel group
+    assert layout(inner="ep", group_size=2).sharding.group_size == 2
+    with pytest.raises(ValueError, match=r"inner='dp': 4 ranks\); group_size=2 disagrees"):
+        layout(inner="dp", group_size=2)
 
 
 def test_bad_shard_settings_fail_at_construction():

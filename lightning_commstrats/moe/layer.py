@@ -339,7 +339,12 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         with torch.autocast(device_type=tokens.device.type, enabled=False):
-            logits = F.linear(tokens.float(), self.router.weight.float())
+            if self.router.weight.dtype == torch.float32:
+                # through the router module: a router that is a unit of FSDP2 of its own (float32
+                # inside a half block) is gathered by its own forward hook
+                logits = self.router(tokens.float())
+            else:  # a half router (precision O3): its weights brought up to float32 for the routing
+                logits = F.linear(tokens.float(), self.router.weight.float())
         bias = self.expert_bias if self.balance == "bias" else None
         routing = route(logits, self.top_k, self.balance, self.capacity_factor, bias)
         self.aux_loss, self.routing = routing.aux_loss, routing

@@ -53,8 +53,8 @@ def check_shard(shard: Any, owner: str, supported: bool, backend: str = "auto") 
         return
     if not supported:
         raise ValueError(
-            f"{owner} cannot honour shard={shard!r}: sharding with FSDP2 is supported by allreduce, onebit_sgd and"
-            " the periodic schemes (model_averaging, bmuf, diloco, streaming_diloco, sparseloco)"
+            f"{owner} cannot honour shard={shard!r}: sharding with FSDP2 is supported by allreduce, onebit_sgd,"
+            " expert_parallel and the periodic schemes (model_averaging, bmuf, diloco, streaming_diloco, sparseloco)"
         )
     if backend == "mpi":
         raise ValueError(
@@ -149,15 +149,18 @@ class Sharding:
         """The 1-D mesh of this rank's group, over which FSDP2 shards."""
         return self.mesh["shard"]
 
-    def shard_module(self, module: nn.Module, dtypes: Mapping[str, str] | None = None) -> None:
+    def shard_module(
+        self, module: nn.Module, dtypes: Mapping[str, str] | None = None, ignored: set[nn.Parameter] | None = None
+    ) -> None:
         """Shard ``module`` by the policy, unless its ``configure_model`` already applied
         ``fully_shard`` (then it is used as it is, after a check that it was sharded over this mesh).
         ``dtypes`` (module name -> dtype name, a precision policy's) gathers each unit in the dtype
-        it computes in (:func:`~lightning_commstrats.sharding.policy.plan_units`). Either way FSDP2's
+        it computes in (:func:`~lightning_commstrats.sharding.policy.plan_units`); ``ignored`` are
+        parameters FSDP2 leaves whole (a scheme places them itself). Either way FSDP2's
         collectives are counted (:mod:`~lightning_commstrats.sharding.traffic`)."""
         sharded = [p for p in module.parameters() if is_dtensor(p)]
         if sharded:
-            if len(sharded) != len(list(module.parameters())):
+            if len(sharded) != len([p for p in module.parameters() if p not in (ignored or ())]):
                 names = [n for n, p in module.named_parameters() if not is_dtensor(p)][:5]
                 raise ValueError(
                     f"configure_model sharded only part of the model ({names} are not DTensors): apply fully_shard"
@@ -173,7 +176,7 @@ class Sharding:
             self.units = ["(configure_model)"]
             register_step_methods(module)
         else:
-            self.units = apply_fsdp(module, self.shard_mesh, self.policy, dtypes)
+            self.units = apply_fsdp(module, self.shard_mesh, self.policy, dtypes, ignored)
             log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
         if self.stats is not None:
             count_fsdp_traffic(module, self.stats)

@@ -140,7 +140,7 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> list[s
     if missing:
         check_initialisable(root)
 
-    if is_dtensor(next(root.parameters(), None)):
+    if any(is_dtensor(p) for p in root.parameters()):
         # FSDP2's own _apply re-registers the sharded parameters afterwards
         root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     else:

@@ -129,24 +129,38 @@ class ShardPolicy:
         return list(reversed(chosen))
 
 
-def apply_fsdp(module: nn.Module, mesh: Any, policy: ShardPolicy, dtypes: Mapping[str, str] | None = None) -> list[str]:
+def apply_fsdp(
+    module: nn.Module,
+    mesh: Any,
+    policy: ShardPolicy,
+    dtypes: Mapping[str, str] | None = None,
+    ignored: set[nn.Parameter] | None = None,
+) -> list[str]:
     """``fully_shard`` every unit of ``module`` by ``policy`` (innermost first), then ``module`` itself
     as the root, over the 1-D ``mesh`` (the ranks of one group); the LightningModule's step methods
     become forward methods of the root, so FSDP2 gathers and frees around them. With ``dtypes`` (a
     per-module precision policy, module name -> ``"fp32"``/``"bf16"``/``"fp16"``), every unit gets an
-    FSDP2 ``MixedPrecisionPolicy`` (see :func:`plan_units`). Returns the units' names.
+    FSDP2 ``MixedPrecisionPolicy`` (see :func:`plan_units`). ``ignored`` parameters stay whole and
+    unmanaged (FSDP2's ``ignored_params``). Returns the units' names.
     Raises ``ValueError`` when the model has no parameter to shard."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not any(True for _ in module.parameters()):
         raise ValueError(f"shard='fsdp' needs a model with parameters; {type(module).__name__} has none to shard")
-    plan = plan_units(module, policy, dtypes)
+    plan = plan_units(module, policy, dtypes, ignored)
     if policy.activation_checkpointing:
         for _, unit in policy.select(module):
             checkpoint_activations(unit)
     for _, unit, dtype in plan:
         mp = MixedPrecisionPolicy() if dtype is None else _mixed(dtype)
-        fully_shard(unit, mesh=mesh, reshard_after_forward=policy.reshard_after_forward, mp_policy=mp)
+        mine = {p for p in unit.parameters() if p in ignored} if ignored else None
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=policy.reshard_after_forward,
+            mp_policy=mp,
+            ignored_params=mine or None,
+        )
     register_step_methods(module)
     return [name for name, _, _ in plan if name]
 
@@ -183,7 +197,10 @@ def _mixed(dtype: str) -> Any:
 
 
 def plan_units(
-    root: nn.Module, policy: ShardPolicy, dtypes: Mapping[str, str] | None = None
+    root: nn.Module,
+    policy: ShardPolicy,
+    dtypes: Mapping[str, str] | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> list[tuple[str, nn.Module, str | None]]:
     """``(name, module, gather dtype)`` for every unit of ``root``, innermost first, the root last.
 
@@ -195,7 +212,11 @@ def plan_units(
     in half) takes the dtype that holds most of its parameters, and each module of another dtype
     becomes a unit of its own, gathered in its dtype. A module that cannot be a unit (it shares a
     tied weight with a module outside it) keeps its unit in float32: its weights are then gathered
-    whole and cast as the module runs, never rounded for it."""
+    whole and cast as the module runs, never rounded for it.
+
+    A module made a unit of its own is gathered by its own forward hook: its parent must call it
+    (``self.norm(x)``), not read its parameters (``F.layer_norm(x, ..., self.norm.weight)``), as
+    FSDP2 requires of every unit. The package's models do so (the MoE layer calls its router)."""
     units: list[tuple[str, nn.Module]] = [*policy.select(root), ("", root)]
     if dtypes is None:
         return [(name, unit, None) for name, unit in units]
@@ -208,7 +229,7 @@ def plan_units(
 
     managed: dict[str, list[tuple[str, nn.Module]]] = {name: [] for name in names}
     for name, module in root.named_modules():
-        if any(True for _ in module.parameters(recurse=False)):
+        if any(p not in (ignored or ()) for p in module.parameters(recurse=False)):  # FSDP2 gathers it
             managed[unit_of(name)].append((name, module))
     outside = _tied_outside(root)
     plan: list[tuple[str, nn.Module, str | None]] = []
@@ -216,7 +237,8 @@ def plan_units(
         mine = managed[name]
         share: dict[str, int] = {}
         for m_name, m in mine:
-            share[dtypes[m_name]] = share.get(dtypes[m_name], 0) + sum(p.numel() for p in m.parameters(recurse=False))
+            held = sum(p.numel() for p in m.parameters(recurse=False) if p not in (ignored or ()))
+            share[dtypes[m_name]] = share.get(dtypes[m_name], 0) + held
         dtype = max(share, key=share.__getitem__) if share else "fp32"
         rest = set()
         split: list[str] = []

@@ -157,11 +157,16 @@ class CommStrategy(RankDevices, ParallelStrategy):
             gradients and the inner optimizer state are sharded with torch's FSDP2 over each group of
             ``group_size`` consecutive ranks (default ``"node"``), and the scheme exchanges each rank's
             own shard with the same shard of the other groups (see :mod:`lightning_commstrats.sharding`).
-            Supported by ``allreduce``, ``onebit_sgd`` and the periodic schemes; the others refuse it.
+            Supported by ``allreduce``, ``onebit_sgd``, ``expert_parallel`` and the periodic schemes; the
+            others refuse it.
         shard_policy: with ``shard="fsdp"``, which modules are units of sharding when the model's
             ``configure_model`` did not apply ``fully_shard`` itself: a
             :class:`~lightning_commstrats.sharding.ShardPolicy` or a dict of its fields (default: the
             elements of module lists and embeddings of at least 65,536 values, then the root).
+        residuals: where the slow hop's error-feedback residuals (``slow_hop_bits``) wait between
+            steps: ``"device"`` (default) or ``"host"`` (pinned host memory on CUDA, brought to the
+            device for each step's encoding; two copies of them over the host link a step). The
+            periodic schemes keep them with their outer state (``outer_state``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -185,6 +190,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         slow_hop_bits: int = 32,
         shard: str | None = None,
         shard_policy: Any = None,
+        residuals: str = "device",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -247,7 +253,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.slow_hop_bits = slow_hop_bits
         # the fused reductions by route; connected with the ranks: gradients in two levels over groups,
         # or across them when sharded
-        self.reducer = Reducer(bucket_cap_mb)
+        self.reducer = Reducer(bucket_cap_mb, residuals=residuals)
         self.topology: Topology | None = None  # the ranks' layout, once the world is known
         self.verify_sync_every = verify_sync_every
         self.verify_sync_action = verify_sync_action
@@ -465,6 +471,11 @@ class CommStrategy(RankDevices, ParallelStrategy):
         assert self.lightning_module is not None
         self._param_set = ParamSet(self.lightning_module, expert=self.is_expert_param)
 
+    def params_kept_whole(self) -> set[torch.nn.Parameter]:
+        """Parameters FSDP2 leaves alone under ``shard="fsdp"`` (the scheme places them itself: the
+        experts of expert parallelism); none by default."""
+        return set()
+
     def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
         """Whether ``p`` is an expert this rank owns (expert parallelism); none by default."""
         return False
@@ -522,7 +533,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
             check_initialisable(module)
         if self.sharding is not None:
             # a per-module precision policy (LayeredMixedPrecision): each unit gathered in its dtype
-            self.sharding.shard_module(module, getattr(self.precision_plugin, "module_dtypes", None))
+            dtypes = getattr(self.precision_plugin, "module_dtypes", None)
+            self.sharding.shard_module(module, dtypes, ignored=self.params_kept_whole())
         if empty:
             index = self.sharding.index if self.sharding is not None else 0
             called = materialize(module, self.root_device, index)

@@ -14,6 +14,7 @@ from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import BucketedAllReduce, GradientCompression
 from lightning_commstrats.moe.layer import MoELayer
+from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import agreed_buffer_ids
 
@@ -69,6 +70,16 @@ class ExpertParallelStrategy(AllReduceStrategy):
     group on neighbouring ranks. Which is faster depends on how many tokens cross the slow links
     against how many expert weights do: ``benchmarks/moe_layout.py`` measures both.
 
+    With ``shard="fsdp"`` (ZeRO inside the hierarchy): the dense parameters, their gradients and
+    optimizer state are sharded by FSDP2 over the layout's inner dimension, the ranks on the fast
+    links (the ``dp`` replicas of the same experts with ``inner="dp"``, an expert-parallel group with
+    ``inner="ep"``; ``group_size`` is that size, and another one is refused). FSDP2 leaves the
+    experts whole (``ignored_params``): each rank keeps its own experts and their optimizer state as
+    unsharded. FSDP2 reduce-scatters the dense gradients inside the group; the strategy's exchange
+    (fp32 or quantized) averages the shards across the groups, rank ``i`` of every group with rank
+    ``i``; expert gradients travel over their replicas as unsharded. The clip by norm counts the
+    dense shards of a group once and every expert once.
+
     Checkpoints: each rank's experts go into the checkpoint per rank; loading onto another world
     size or ``ep_size`` is an error (no re-sharding). The expert bias of ``balance="bias"`` is the
     same on every rank (updated from the load summed over all ranks), saved with the model and left
@@ -85,7 +96,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
     """
 
     strategy_name = "expert_parallel"
-    supports_shard = False
+    supports_shard = True
 
     def __init__(
         self,
@@ -140,6 +151,15 @@ class ExpertParallelStrategy(AllReduceStrategy):
                 f"dp_size x ep_size = {self.dp_size} x {self.ep_size} must equal the world size {self.world_size}"
                 " (devices x num_nodes)"
             )
+        if self.sharding is not None:  # FSDP2 over the inner dimension: the ranks on the fast links
+            inner = self.dp_size if self.inner == "dp" else self.ep_size
+            if self.group_size is not None and self.group_size != inner:
+                raise ValueError(
+                    f"expert_parallel with shard='fsdp' shards the dense part over the layout's inner dimension"
+                    f" (inner={self.inner!r}: {inner} ranks); group_size={self.group_size!r} disagrees: leave it out"
+                    f" or pass {inner}"
+                )
+            self.group_size = self.sharding.group_size = inner
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -153,6 +173,10 @@ class ExpertParallelStrategy(AllReduceStrategy):
 
     def expert_params(self) -> list[torch.nn.Parameter]:
         return [p for layer in self.moe_layers() for p in layer.experts.parameters()]
+
+    @override
+    def params_kept_whole(self) -> set[torch.nn.Parameter]:
+        return set(self.expert_params())
 
     @override
     def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
@@ -191,8 +215,8 @@ class ExpertParallelStrategy(AllReduceStrategy):
             for p in self.lightning_module.parameters():
                 if id(p) in experts:
                     self.dp_comm.broadcast(p.data, 0, tag="setup")  # replicas of the same experts agree
-                else:
-                    self.comm.broadcast(p.data, 0, tag="setup")
+                elif local(p).numel():  # sharded: rank i of every group takes group 0's rank i's shard
+                    self.replica_comm.broadcast(local(p).data, 0, tag="setup")
             for b in self.lightning_module.buffers():
                 self.comm.broadcast(b.data, 0, tag="setup")
 
@@ -205,7 +229,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
     @override
     def replicated_tensors(self) -> dict[str, torch.Tensor]:
         experts = {id(p) for p in self.expert_params()}  # each rank holds other experts
-        return {n: p.detach() for n, p in self.lightning_module.named_parameters() if id(p) not in experts}
+        return {n: local(p).detach() for n, p in self.lightning_module.named_parameters() if id(p) not in experts}
 
     @override
     def buffers_to_sync(self) -> list[torch.Tensor]:
@@ -270,7 +294,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
         """One bucket of expert gradients: summed over the experts' replicas, divided by the world size."""
         return self.dp_comm.all_reduce(flat, "sum", tag="grad_experts").div_(self.world_size)
 
-    def _clip_by_global_norm(self, dense: list[torch.Tensor], local: list[torch.Tensor]) -> None:
+    def _clip_by_global_norm(self, dense: list[torch.Tensor], experts: list[torch.Tensor]) -> None:
         """Clip by the norm over the whole model, the same factor on every rank.
 
         Lightning clips by the norm of the gradients a rank holds. Ranks hold different experts, so
@@ -285,10 +309,19 @@ class ExpertParallelStrategy(AllReduceStrategy):
         max_norm = trainer.gradient_clip_val if trainer is not None else None
         if not max_norm or (trainer.gradient_clip_algorithm or "norm") != "norm":
             return
-        expert_square = self.ep_comm.all_reduce(self._squared_norm(local).reshape(1), "sum", tag="control")
-        total = (self._squared_norm(dense) + expert_square[0]).sqrt()
+        dense_square = self._squared_norm([local(g) for g in dense])
+        expert_square = self._squared_norm(experts)
+        if self.sharding is None:
+            expert_square = self.ep_comm.all_reduce(expert_square.reshape(1), "sum", tag="control")[0]
+        elif self.inner == "ep":  # the dense shards and the experts both spread over the ep group
+            total_square = self.ep_comm.all_reduce((dense_square + expert_square).reshape(1), "sum", tag="control")
+            dense_square, expert_square = total_square[0], torch.zeros_like(total_square[0])
+        else:  # the dense shards over the dp group (this rank's), the experts over the ep group
+            dense_square = self.dp_comm.all_reduce(dense_square.reshape(1), "sum", tag="control")[0]
+            expert_square = self.ep_comm.all_reduce(expert_square.reshape(1), "sum", tag="control")[0]
+        total = (dense_square + expert_square).sqrt()
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(dense + local, factor)
+        torch._foreach_mul_([local(g) for g in dense] + experts, factor)
 
     def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:

@@ -313,6 +313,7 @@ class PeriodicSyncStrategy(CommStrategy):
                 f"{self._timeout.total_seconds():.0f} s (the collectives of the replica's ranks)"
             )
         self.outer_state = outer_state
+        self.reducer.residuals = outer_state  # a slow hop's residuals (warm start, replicas) live with the outer state
         # this replica's membership in a fault-tolerant run (every rank's torchft Manager)
         self.replicas: ReplicaGroup | None = None if ft is None else ReplicaGroup(ft)
         self._run_end = math.inf  # fault tolerance: the optimizer step at which every replica's fit ends
@@ -876,7 +877,8 @@ class PeriodicSyncStrategy(CommStrategy):
         if self.outer is not None and self.sharding is not None:  # the global model's shards, as DTensors
             named: dict[str, Tensor] = {}
             for f in range(self.num_fragments):
-                named.update(self.named_views(f, self.outer.global_weights(f)))
+                # the host copy itself where the outer state lives there: no trip through the device
+                named.update(self.named_views(f, self.outer.weights[f].detach()))
             return global_state_dict(state, self.lightning_module, named)
         flat = self.global_weights()
         if flat is None:

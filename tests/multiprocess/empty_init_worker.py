@@ -21,8 +21,9 @@ Scenario keys: ``front`` (``"trainer"`` or ``"fabric"``), ``build`` (``"whole"``
 ``torch.device("meta")``; ``"wrapped"``: as LitGPT's clients do, the network is ``self.model``,
 built on meta in ``configure_model``, which shards its blocks, ``self.model`` and ``self`` itself, and
 the steps call ``self.model(x)``), ``strategy``, ``kwargs``, ``devices``, ``max_steps``, ``dims``
-(``vocab``, ``dim``, ``blocks``), ``optimizer`` (``"sgd"`` or ``"sgd_plain"``: no momentum),
-``record_weights``, ``seed``, ``inf_at`` ([step, rank]: an inf in that rank's shard of the first
+(``vocab``, ``dim``, ``blocks``, ``moe``: a mixture-of-experts layer in every block), ``optimizer``
+(``"sgd"`` or ``"sgd_plain"``: no momentum), ``record_weights``, ``seed``, ``clip``
+(``gradient_clip_val``), ``inf_at`` ([step, rank]: an inf in that rank's shard of the first
 block's Linear gradient), ``precision`` (``LayeredMixedPrecision``'s arguments; Trainer only).
 ``whole`` holds every parameter whole at the end, ``stats`` the run's communication statistics.
 """
@@ -84,19 +85,43 @@ class Net(nn.Module):
         return self.head(h)
 
 
+class MoENet(nn.Module):
+    """The same shape with a mixture-of-experts layer (4 experts, top-1, dropless) in every block."""
+
+    def __init__(self, vocab: int, dim: int, blocks: int) -> None:
+        super().__init__()
+        from lightning_commstrats.moe import MoELayer
+
+        self.emb = declare(nn.Embedding(vocab, dim), "embedding")
+        self.blocks = nn.ModuleList(
+            nn.Sequential(declare(nn.LayerNorm(dim), "norm"), MoELayer(dim, 2 * dim, 4)) for _ in range(blocks)
+        )
+        self.head = declare(nn.Linear(dim, vocab, bias=False), "output")
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
 class Blocks(L.LightningModule):
-    def __init__(self, build: str, optimizer: str, vocab: int = 64, dim: int = 32, blocks: int = 2) -> None:
+    def __init__(
+        self, build: str, optimizer: str, vocab: int = 64, dim: int = 32, blocks: int = 2, moe: bool = False
+    ) -> None:
         super().__init__()
         self.build, self.optimizer, self.dims = build, optimizer, (vocab, dim, blocks)
+        self.net = MoENet if moe else Net
         self.losses: list[float] = []
         if build in ("whole", "empty"):
-            self.model = Net(*self.dims)
+            self.model = self.net(*self.dims)
 
     def configure_model(self) -> None:
         if self.build not in ("meta", "wrapped") or hasattr(self, "model"):
             return
         with torch.device("meta"):
-            self.model = Net(*self.dims)
+            self.model = self.net(*self.dims)
         if self.build == "wrapped":
             from torch.distributed.fsdp import fully_shard
 
@@ -202,6 +227,7 @@ def run_trainer(sc: dict[str, Any], rank_hint: int, calls: Calls) -> tuple[int, 
         devices=sc.get("devices", 4),
         strategy=strategy,
         plugins=plugins,
+        gradient_clip_val=sc.get("clip"),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
