@@ -119,29 +119,13 @@ def test_the_memory_line_shows_the_process_figures_beside_the_tensors():
 
 
 class Tracked(AllReduceStrategy):
-    """The wiring proposed for CommStrategy (strategies/base.py): a tracker per fit, the ``training``
-    phase from the start of training to its end, the ``sync`` phase around each step's exchange."""
-
-    def setup(self, trainer: L.Trainer) -> None:
-        self.process_memory = ProcessMemory(self.root_device)
-        super().setup(trainer)
-
-    def process_memory_stats(self) -> dict[str, dict[str, Any]]:
-        return self.process_memory.stats()
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self.process_memory.close()
-        self.process_memory.begin("training")
+    """The package's wiring (strategies/base.py: a tracker per fit, the ``training`` phase from the
+    start of training to its end, the ``sync`` phase around each step's exchange), with an exchange
+    that takes 40 MiB and gives it back."""
 
     def after_backward(self, optimizer: Any) -> None:
-        with self.process_memory.phase("sync"):
-            super().after_backward(optimizer)
-            touch_and_free(40 * MIB)  # what an exchange's buffers would take, then give back
-
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self.process_memory.close()
+        super().after_backward(optimizer)
+        touch_and_free(40 * MIB)  # what an exchange's buffers would take, then give back
 
 
 @linux_only

@@ -60,7 +60,7 @@ from lightning_commstrats.comm import (
     resolve_backend,
 )
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
-from lightning_commstrats.sharding import Sharding, check_shard, local, memory_by_kind, tensors_in
+from lightning_commstrats.sharding import ProcessMemory, Sharding, check_shard, local, memory_by_kind, tensors_in
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
 from lightning_commstrats.sharding.materialize import check_initialisable, has_meta, materialize, parameters_on_meta
 from lightning_commstrats.strategies.params import ParamSet
@@ -265,6 +265,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.built_uninitialised = False
         self.bucket_cap_mb = bucket_cap_mb
         self._param_set: ParamSet | None = None  # built when the model is final (setup_scheme)
+        self._process_memory: ProcessMemory | None = None  # made at setup, once the rank's device is known
         self.samples_per_worker = 0
         self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
         self.optimizer_steps = 0
@@ -425,6 +426,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._process_memory = ProcessMemory(self.root_device)  # one per fit; the peak is the process's
         plugin = self.precision_plugin
         if getattr(plugin, "scaler", None) is not None and not hasattr(plugin, "unscale_and_check"):
             # Lightning's GradScaler unscales after the exchange and skips an overflowing step on
@@ -574,6 +576,22 @@ class CommStrategy(RankDevices, ParallelStrategy):
         assert self.lightning_module is not None
         return memory_by_kind(self.lightning_module, self.optimizers, self.scheme_tensors())
 
+    @property
+    def process_memory(self) -> ProcessMemory:
+        """What this process holds at its peak as the operating system (its resident set) and the
+        device (CUDA's caching allocator) count it, over the run and within the phases ``training``
+        (from the start of training to its end) and ``sync`` (each step's exchange, a periodic
+        scheme's sync): :class:`~lightning_commstrats.sharding.ProcessMemory`."""
+        if self._process_memory is None:  # the Fabric front end: made at its first use
+            self._process_memory = ProcessMemory(self.root_device)
+        return self._process_memory
+
+    def process_memory_stats(self) -> dict[str, dict[str, Any]]:
+        """This rank's peaks in bytes, ``{"rss" | "allocated" | "reserved": {"device", "start", "now",
+        "peak", "phases": {name: bytes}}}``, beside :meth:`memory_stats`, which counts the tensors
+        (see :meth:`~lightning_commstrats.sharding.ProcessMemory.stats`)."""
+        return self.process_memory.stats()
+
     def scheme_tensors(self) -> list[Tensor]:
         """The tensors of the scheme's own state (residuals, global model, outer optimizer...), for
         :meth:`memory_stats`; the base holds the fused buckets and the slow hop's residuals."""
@@ -609,6 +627,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
         super().on_train_start()
         self.states.restore_pending()
         self.comm_stats.start_clock()
+        self.process_memory.close()  # a fit that raised left its phases open
+        self.process_memory.begin("training")
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -686,6 +706,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         super().on_train_end()
         self.sync_buffers()
         self.stop_agreement.finish()
+        self.process_memory.close()  # ends "training", after a periodic scheme's last sync
 
     # ------------------------------------------------------------------ the strategy's own state
 
@@ -844,7 +865,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
             for observe in self.gradient_observers:
                 observe(optimizer)
             self.reducer.discard()  # nothing held from a step that raised
-            self.after_backward(optimizer)
+            with self.process_memory.phase("sync"):  # the gradient schemes' exchange
+                self.after_backward(optimizer)
             self._nonfinite_names = self.agree_on_names(self._nonfinite_names)
             if self._nonfinite_names and self.handle_nonfinite(self._nonfinite_names, "gradients"):
                 runs = False
@@ -858,16 +880,18 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def end_step(self, optimizer: Optimizer, runs: bool) -> None:
         """After ``optimizer.step``: the weight schemes' exchange, counters, the replica check."""
         self.last_step_skipped = not runs
-        if runs:
-            self.after_optimizer_step(optimizer)
-            self.optimizer_steps += 1
-            self._samples_at_step = self.samples_per_worker
-            self._samples_at_step_all_ranks = self._samples_total_all_ranks
-        else:  # as if the step's samples had not come: schedules in samples stay where they were
+        if not runs:  # as if the step's samples had not come: schedules in samples stay where they were
             self.samples_per_worker = self._samples_at_step
             self._samples_total_all_ranks = self._samples_at_step_all_ranks
-        if runs:
-            self.on_step_counted(optimizer)
+        else:
+            # one phase for the weight schemes' exchange and a periodic scheme's sync (a boundary
+            # reads /proc/self/status and writes clear_refs: tens of microseconds)
+            with self.process_memory.phase("sync"):
+                self.after_optimizer_step(optimizer)
+                self.optimizer_steps += 1
+                self._samples_at_step = self.samples_per_worker
+                self._samples_at_step_all_ranks = self._samples_total_all_ranks
+                self.on_step_counted(optimizer)
         if self.verify_sync_every and runs and self.optimizer_steps % self.verify_sync_every == 0:
             self.verify_replicas()
         self.comm_stats.mark_step()  # what this step sent, its syncs included, is its last_step

@@ -653,10 +653,11 @@ class PeriodicSyncStrategy(CommStrategy):
     def on_train_end(self) -> None:
         # every rank ends with the global model
         if self.started:
-            self.synchronize()
-            final = self.global_weights()
-            assert final is not None
-            self.load_flat(final)
+            with self.process_memory.phase("sync"):
+                self.synchronize()
+                final = self.global_weights()
+                assert final is not None
+                self.load_flat(final)
             self.comm_stats.extend_last_step()  # the end-of-fit sync belongs to the last step
         self._runner.shutdown()
         if self.replicas is not None:
