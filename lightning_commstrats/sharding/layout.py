@@ -144,6 +144,15 @@ class Sharding:
             return _single(comm)
         return comm.duplicate(host=host).new_subgroups(self._across)
 
+    def inner_channel(self, comm: Communicator) -> Communicator:
+        """A communicator over this rank's group (the mesh's ``shard`` dimension, FSDP2's ranks), its
+        traffic charged to ``comm``'s statistics: the channel of expert parallelism inside a group."""
+        if self.mesh.shape[1] == 1:
+            return _single(comm)
+        return TorchCommunicator(
+            self.mesh.get_group("shard"), stats=comm.stats, heartbeat=comm.heartbeat, device=comm.device
+        )
+
     @property
     def shard_mesh(self) -> Any:
         """The 1-D mesh of this rank's group, over which FSDP2 shards."""

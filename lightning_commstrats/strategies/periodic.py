@@ -49,6 +49,7 @@ from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.compression.sparse import check_sparse_args
 from lightning_commstrats.compression.sparse_tiles import check_tiles_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, import_torchft
+from lightning_commstrats.moe.placement import ExpertPlacement
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, check_outer_state, resolve_outer_optimizer
 from lightning_commstrats.replicas import ReplicaGroup, flat_buffers, load_buffers
 from lightning_commstrats.sharding import local, tensors_in
@@ -177,6 +178,12 @@ class PeriodicSyncStrategy(CommStrategy):
             ``"host"`` (default: pinned host memory, the outer step on the CPU, a fragment at a time
             on the device at a sync) or ``"device"`` (on the GPU). On CPU the two are the same memory.
             See :class:`~lightning_commstrats.outer.OuterOptimizer`.
+        expert_parallel: ``False`` (default) or ``True``: mixture-of-experts across sites. Every group
+            of ``group_size`` ranks holds every expert once, spread over its ranks, with its tokens'
+            all-to-all inside the group and its dense part sharded by FSDP2 over the same ranks
+            (needs ``shard="fsdp"``); rank ``i`` of every group holds the same experts and dense shard
+            and exchanges them with rank ``i`` of the others (see
+            :mod:`lightning_commstrats.moe.placement`).
         **kwargs: passed to :class:`~lightning_commstrats.strategies.base.CommStrategy`.
     """
 
@@ -209,9 +216,22 @@ class PeriodicSyncStrategy(CommStrategy):
         keep_local_progress: bool = False,
         fault_tolerance: FaultTolerance | dict[str, Any] | None = None,
         outer_state: str = "host",
+        expert_parallel: bool = False,
         **kwargs: Any,
     ) -> None:
         check_period(sync_period, sync_period_unit)
+        if not isinstance(expert_parallel, bool):
+            raise ValueError(f"expert_parallel must be True or False, got {expert_parallel!r}")
+        if expert_parallel and kwargs.get("shard") != "fsdp":
+            raise ValueError(
+                "expert_parallel=True needs shard='fsdp': the ranks of a group share their experts and FSDP2"
+                " reduces the dense part's gradients inside the group; pass shard='fsdp' and group_size"
+            )
+        if expert_parallel and fault_tolerance is not None:
+            raise ValueError(
+                "expert_parallel=True with fault_tolerance is not supported yet: a replica would heal its"
+                " experts rank by rank; pass one of them"
+            )
         check_outer_state(outer_state)
         ft = FaultTolerance.of(fault_tolerance)
         if ft is not None:
@@ -313,6 +333,8 @@ class PeriodicSyncStrategy(CommStrategy):
                 f"{self._timeout.total_seconds():.0f} s (the collectives of the replica's ranks)"
             )
         self.outer_state = outer_state
+        # expert_parallel=True: the experts spread over each group's ranks (placed at setup)
+        self.experts: ExpertPlacement | None = ExpertPlacement() if expert_parallel else None
         self.reducer.residuals = outer_state  # a slow hop's residuals (warm start, replicas) live with the outer state
         # this replica's membership in a fault-tolerant run (every rank's torchft Manager)
         self.replicas: ReplicaGroup | None = None if ft is None else ReplicaGroup(ft)
@@ -377,6 +399,21 @@ class PeriodicSyncStrategy(CommStrategy):
             # outer_state="host" on CUDA: the error feedback waits in pinned host memory between syncs
             residual_home=torch.device("cpu") if self.outer_state == "host" else None,
         )
+
+    @override
+    def configure_model_parallel(self) -> None:
+        if self.experts is not None:  # before FSDP2 shards the rest: the experts stay with their owners
+            assert self.sharding is not None and self.lightning_module is not None
+            self.experts.place(self.lightning_module, self.sharding.inner_channel(self.comm))
+        super().configure_model_parallel()
+
+    @override
+    def params_kept_whole(self) -> set[torch.nn.Parameter]:
+        return set(self.experts.params()) if self.experts is not None else set()
+
+    @override
+    def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
+        return self.experts is not None and any(p is q for q in self.experts.params())
 
     @override
     def setup_scheme(self) -> None:
@@ -447,6 +484,8 @@ class PeriodicSyncStrategy(CommStrategy):
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
+        if self.experts is not None:  # an expert's gradient holds its whole group's: the group's average
+            self.experts.scale_gradients()
         if (not self.started or self.fault_tolerance is not None) and self.replica_comm.world_size > 1:
             # warm start, or inside a fault-tolerant replica: fully synchronous data parallelism
             params = trainable_params(optimizer)

@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_commstrats
 from lightning_commstrats.models.base import declare
+from lightning_commstrats.moe import MoELayer
 from lightning_commstrats.sharding import is_dtensor, local
 
 SEQ = 8
@@ -90,8 +91,6 @@ class MoENet(nn.Module):
 
     def __init__(self, vocab: int, dim: int, blocks: int) -> None:
         super().__init__()
-        from lightning_commstrats.moe import MoELayer
-
         self.emb = declare(nn.Embedding(vocab, dim), "embedding")
         self.blocks = nn.ModuleList(
             nn.Sequential(declare(nn.LayerNorm(dim), "norm"), MoELayer(dim, 2 * dim, 4)) for _ in range(blocks)
@@ -251,6 +250,11 @@ def run_trainer(sc: dict[str, Any], rank_hint: int, calls: Calls) -> tuple[int, 
     out = result(model, strategy, model.losses, watch.start, rss, sc)
     out["init_calls"] = [m for m in calls.messages if "initialised by" in m]
     out["optimizer_steps"] = strategy.optimizer_steps
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    group = getattr(layers[0].comm, "group", None) if layers else None
+    # the global ranks the MoE layers' all-to-all runs over (None: one rank or none)
+    out["all_to_all_ranks"] = torch.distributed.get_process_group_ranks(group) if group is not None else None
+    out["tokens_bytes"] = out["stats"].get("tokens/bytes_sent", 0)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     out["scale"] = None if scaler is None else scaler.scale
     return trainer.global_rank, out
