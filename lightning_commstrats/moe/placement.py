@@ -74,3 +74,18 @@ class ExpertPlacement:
         grads = [p.grad for p in self.params() if p.grad is not None]
         if grads:
             torch._foreach_div_(grads, self.comm.world_size)
+
+    def clip_by_global_norm(self, dense: list[torch.Tensor], max_norm: float) -> None:
+        """Clip this rank's gradients by the norm of the group's whole model: ``dense`` are this rank's
+        shards of the dense gradients (FSDP2's, spread over the group as the experts are), the
+        experts' its own. One 4-byte all-reduce over the group (tag ``"control"``); every rank of the
+        group applies the same factor, as ``clip_grad_norm_`` on the unsharded model would."""
+        experts = [p.grad for p in self.params() if p.grad is not None]
+        grads = [*dense, *experts]
+        if not grads:
+            return
+        square = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2
+        if self.comm is not None and self.comm.world_size > 1:
+            square = self.comm.all_reduce(square.reshape(1), "sum", tag="control")[0]
+        factor = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, factor)

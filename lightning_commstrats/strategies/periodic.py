@@ -415,9 +415,24 @@ class PeriodicSyncStrategy(CommStrategy):
     def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
         return self.experts is not None and any(p is q for q in self.experts.params())
 
+    def _clip_experts_and_shards(self, optimizer: Optimizer) -> None:
+        """``expert_parallel=True``: the clip by norm over the group's whole model (Lightning's, over
+        this rank's DTensor shards and plain expert tensors together, cannot run; it is switched off
+        in :meth:`setup_scheme`)."""
+        trainer = self.trainer
+        max_norm = trainer.gradient_clip_val if trainer is not None else None
+        if not max_norm or (trainer.gradient_clip_algorithm or "norm") != "norm":
+            return
+        assert self.experts is not None
+        kept = {id(p) for p in self.experts.params()}
+        dense = [local(p.grad) for p in trainable_params(optimizer) if p.grad is not None and id(p) not in kept]
+        self.experts.clip_by_global_norm(dense, float(max_norm))
+
     @override
     def setup_scheme(self) -> None:
         super().setup_scheme()
+        if self.experts is not None:
+            self.precision_plugin.clip_grad_by_norm = _clipped_by_the_strategy  # type: ignore[method-assign]
         n = len(self.params)
         if self.num_fragments > n:
             raise ValueError(f"num_fragments={self.num_fragments} is larger than the model's {n} parameter tensors")
@@ -492,6 +507,8 @@ class PeriodicSyncStrategy(CommStrategy):
             self.all_reduce_fused(
                 [local(dense_grad(p)) for p in params], tag="grad", names=[self.param_name(p) for p in params]
             )
+        if self.experts is not None:  # on the gradients the step will take
+            self._clip_experts_and_shards(optimizer)
 
     @override
     def on_step_counted(self, optimizer: Optimizer) -> None:
@@ -1140,3 +1157,7 @@ def reset_momentum(optimizer: Optimizer, param_ids: set[int] | None = None) -> N
             buf = state.get(key)
             if isinstance(buf, Tensor):
                 buf.zero_()
+
+
+def _clipped_by_the_strategy(optimizer: Optimizer, clip_val: float) -> None:
+    """The precision plugin's clip by norm under ``expert_parallel=True``: done by the strategy."""

@@ -159,3 +159,28 @@ def test_a_corpus_that_already_has_unk_trains_below_the_unigram_model(tmp_path):
     assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size == len(cli.datamodule.tokenizer.get_vocab())
     print(f"<unk> corpus: valid perplexity {ppl:.1f}, unigram {unigram:.1f}")
     assert ppl < unigram, (ppl, unigram)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_moe_sites_config_keeps_tokens_inside_the_groups_and_prints_the_traffic_apart():
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    small = ["--trainer.max_steps=6", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=2"]
+    small += ["--data.batch_size=8", "--trainer.strategy.init_args.sync_period=3"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "train_lm.py"), "fit", "--config", "moe_sites", *small],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[lm] valid perplexity" in out
+    summary = next(line for line in out.splitlines() if line.startswith("[comm] steps 6"))
+    for kind in ("fsdp_gather", "tokens", "weights"):  # inside the groups, and across them
+        assert f" {kind} " in summary, summary
+    assert "of it FSDP2's inside the groups" in summary
+    assert "peak RSS" in next(line for line in out.splitlines() if line.startswith("[memory] rank 0"))
