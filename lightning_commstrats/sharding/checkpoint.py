@@ -41,6 +41,7 @@ from lightning_commstrats.sharding.layout import is_dtensor, local
 log = logging.getLogger(__name__)
 
 META = "meta.pt"
+INNER = "i*/"  # the key prefix of an entry rank i of every group holds alike, filled in at load
 _PH = "__commstrats_dcp__"  # marks a placeholder in a skeleton
 
 
@@ -90,8 +91,8 @@ def _dtensor_like(shard: Tensor, param: Tensor) -> Tensor:
 class _Encoder:
     """Turns a nested state into a skeleton (placeholders for tensors) and the DCP items to write."""
 
-    def __init__(self, params: dict[str, Tensor], group: int, rank: int) -> None:
-        self.params, self.group, self.rank = params, group, rank
+    def __init__(self, params: dict[str, Tensor], group: int, rank: int, index: int = 0) -> None:
+        self.params, self.group, self.rank, self.index = params, group, rank, index
         self.items: dict[str, Tensor] = {}
 
     def put(self, key: str, tensor: Tensor, kind: str) -> dict[str, Any]:
@@ -116,7 +117,12 @@ class _Encoder:
         for name in names:
             p = self.params[name]
             n = local(p).numel()
-            out[name] = self.put(f"{key}/{name}", _dtensor_like(flat[offset : offset + n], p), scope)
+            if is_dtensor(p):
+                out[name] = self.put(f"{key}/{name}", _dtensor_like(flat[offset : offset + n], p), scope)
+            else:  # a parameter FSDP2 leaves whole (an expert): the same on rank i of every group
+                part = flat[offset : offset + n].detach().reshape(p.shape).contiguous()
+                out[name] = self.put(f"i{self.index}/{key}/{name}", part, "inner")
+                out[name]["key"] = f"{INNER}{key}/{name}"  # read by rank i of any group as its own
             # held on the host (outer_state="host"): read back there (see host_mesh)
             out[name]["host"] = flat.device.type == "cpu"
             offset += n
@@ -179,7 +185,7 @@ def template(ph: dict[str, Any], mesh: Any) -> Tensor:
     """The tensor DCP reads placeholder ``ph`` into: a plain host tensor for a rank's own or a plain
     entry, else a DTensor over ``mesh``, or over its host twin when it was saved from the host (read
     where the strategy keeps it, with no trip through the device)."""
-    if ph[_PH] in ("rank", "plain"):
+    if ph[_PH] in ("rank", "plain", "inner"):
         return torch.empty(ph["shape"], dtype=ph["dtype"])
     on = host_mesh(mesh) if ph.get("host", False) else mesh
     return dtensor_zeros(ph["shape"], dtype=ph["dtype"], device_mesh=on, placements=ph["placements"])
@@ -199,7 +205,7 @@ def _decode(skeleton: Any, loaded: dict[str, Tensor], device: torch.device) -> A
                 return None
             # a DTensor stays one (a split's parts are put back together from their local shards); a
             # tensor saved from the host stays there (placeholders written before the mark: the device)
-            return t.to(device) if kind in ("rank", "plain") and not skeleton.get("host", False) else t
+            return t.to(device) if kind in ("rank", "plain", "inner") and not skeleton.get("host", False) else t
         return {k: _decode(v, loaded, device) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
         return [_decode(v, loaded, device) for v in skeleton]
@@ -255,18 +261,28 @@ def save(
     group: int,
     group_size: int,
     fragments: Callable[[tuple], list[str] | None],
+    own: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """Collective. Write the Lightning ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` of
-    DTensors) and the ``scheme`` entry (``state``: shared, ``rank``: this rank's) to the directory ``path``."""
+    DTensors) and the ``scheme`` entry (``state``: shared, ``rank``: this rank's) to the directory ``path``.
+    ``own``: the model's entries this rank holds whole and as its own (the experts of expert
+    parallelism, which FSDP2 leaves alone): saved per rank, read back by the rank that takes its place."""
     import torch.distributed.checkpoint as dcp
 
     params = dict(module.named_parameters())
-    enc = _Encoder(params, group, comm.rank)
+    enc = _Encoder(params, group, comm.rank, comm.rank % group_size)
     # the rest (Lightning's loops and callbacks; a Fabric checkpoint's own entries: a model, optimizers)
     # per group: a model's DTensors are the same in every group, an optimizer's may not be
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     others = enc.encode(rest, "rest", "group", lambda p: None)
-    model = enc.encode(checkpoint.get("state_dict", {}), "model", "shared", lambda p: None, plain=True)
+    model_state = checkpoint.get("state_dict", {})
+    shared = {k: v for k, v in model_state.items() if k not in own}
+    model = enc.encode(shared, "model", "shared", lambda p: None, plain=True)
+    model_own = {
+        k: enc.put(f"r{comm.rank}/model/{k}", v.detach().contiguous(), "rank")
+        for k, v in model_state.items()
+        if k in own
+    }
     optimizers = enc.encode(checkpoint.get("optimizer_states", []), "optimizers", "group", lambda p: None)
     state = enc.encode(scheme["state"], "scheme", "shared", fragments)
     rank = enc.encode(scheme["rank"], "scheme_rank", "group", fragments)
@@ -276,7 +292,7 @@ def save(
         remove(writing)
     comm.barrier()
     dcp.save(enc.items, checkpoint_id=writing)
-    skeletons = comm.all_gather_object({"optimizers": optimizers, "rank": rank, "rest": others})
+    skeletons = comm.all_gather_object({"optimizers": optimizers, "rank": rank, "rest": others, "model": model_own})
     if comm.rank == 0:
         meta = {
             "model": model,
@@ -318,10 +334,13 @@ def load(
     # mine: the source rank's optimizers, rank state and the rest; on another layout its own entries
     # come too (buffers a Fabric checkpoint holds), and the scheme's reshard rule drops what it must
     for ph in _placeholders([meta["model"], meta["state"], mine]):
+        if ph[_PH] == "inner":  # an entry of rank i of a group: this rank's place in its group
+            ph["key"] = ph["key"].replace(INNER, f"i{comm.rank % group_size}/", 1)
         wanted[ph["key"]] = template(ph, mesh)
     dcp.load(wanted, checkpoint_id=path)
     checkpoint = _decode(mine["rest"], wanted, device)
     checkpoint["state_dict"] = _decode(meta["model"], wanted, device)
+    checkpoint["state_dict"].update(_decode(mine.get("model", {}), wanted, device))  # this rank's own entries
     checkpoint["optimizer_states"] = _decode(mine["optimizers"], wanted, device)
     scheme = {
         "strategy": meta["strategy"],
@@ -338,10 +357,13 @@ def global_state_dict(state: dict[str, Any], module: nn.Module, global_shards: d
     ones too), replaced by the DTensor of its ``global_shards`` entry (this rank's part of the global model)."""
     slices = {}
     for name, p in module.named_parameters():
-        slices[(local(p).data_ptr(), p.shape)] = _dtensor_like(global_shards[name], p)
+        if is_dtensor(p):
+            slices[(local(p).data_ptr(), p.shape)] = _dtensor_like(global_shards[name], p)
+        else:  # a parameter FSDP2 leaves whole (an expert this rank owns): its global value as it is
+            slices[(p.data_ptr(), p.shape)] = global_shards[name].reshape(p.shape)
     out = dict(state)
     for key, value in state.items():
-        if is_dtensor(value):
+        if isinstance(value, Tensor):
             match = slices.get((local(value).data_ptr(), value.shape))
             if match is not None:
                 out[key] = match.to(value.dtype)
@@ -396,8 +418,15 @@ def save_strategy(strategy: Any, checkpoint: dict[str, Any], path: str, storage_
         group=sharding.group,
         group_size=sharding.mesh.shape[1],
         fragments=periodic_fragments(strategy, state),
+        own=own_entries(strategy),
     )
     check_visible(path, strategy.comm)
+
+
+def own_entries(strategy: Any) -> set[str]:
+    """The model's state-dict entries a strategy's rank holds as its own (``params_kept_whole``)."""
+    kept = {id(p) for p in strategy.params_kept_whole()}
+    return {n for n, p in strategy.lightning_module.named_parameters(remove_duplicate=False) if id(p) in kept}
 
 
 def load_strategy(strategy: Any, path: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ name), ``kwargs``, ``max_steps``, ``batch_size``, ``merge``
 unsharded reference of a sharded run whose groups hold ``merge`` ranks), ``optimizer`` ("sgd" or
 "adamw"), ``trace``, ``ckpt_every`` / ``resume`` (``[scenario, step]``) / ``ckpt_dir`` / ``resume_dir``,
 ``nan_at`` ([step, rank]: a NaN in that rank's embedding gradient shard), ``dims``, ``model`` (``"tied"``,
-default, or ``"gpt2"``: Hugging Face's GPT-2), ``epoch_steps`` (batches per
+default, ``"gpt2"``: Hugging Face's GPT-2, or ``"moe"``: MoE blocks), ``epoch_steps`` (batches per
 epoch: a checkpoint at an epoch's end resumes on the same data), ``val_every`` (validate every that
 many batches during fit, on 2 batches of other data; ``validations`` counts how many ran),
 ``reducer_residuals`` (set the strategy's ``reducer.residuals``: where the slow hop's residuals wait).
@@ -104,7 +104,30 @@ class HFNet(TiedNet):
         return self.gpt.lm_head.weight is self.gpt.transformer.wte.weight
 
 
-MODELS = {"tied": TiedNet, "gpt2": HFNet}
+class MoETiedNet(TiedNet):
+    """``TiedNet`` whose residual blocks are mixture-of-experts layers (4 experts, top-1, dropless)
+    (``model: "moe"``)."""
+
+    def __init__(self, optimizer: str = "adamw", blocks: int = 2, dim: int = DIM, vocab: int = VOCAB) -> None:
+        L.LightningModule.__init__(self)
+        from lightning_commstrats.moe import MoELayer
+
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([MoELayer(dim, 2 * dim, 4) for _ in range(blocks)])
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.optimizer = optimizer
+        self.losses: list[float] = []
+        self.validations = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+MODELS = {"tied": TiedNet, "gpt2": HFNet, "moe": MoETiedNet}
 
 
 class RankBatches(Dataset):
