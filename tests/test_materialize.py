@@ -135,3 +135,12 @@ def test_a_sharded_empty_build_puts_the_parameters_on_meta():
         model = Tied()
     assert all(p.is_meta for p in model.parameters()) and not model.mask.is_meta
     assert not strategy.built_uninitialised
+
+
+def test_an_lstm_built_on_meta_runs_after_materialisation():
+    torch.manual_seed(0)
+    with parameters_on_meta():
+        lstm = nn.LSTM(4, 8, batch_first=True)
+    materialize(lstm, torch.device("cpu"))
+    out, _ = lstm(torch.randn(2, 3, 4))
+    assert torch.isfinite(out).all() and out.abs().sum() > 0
