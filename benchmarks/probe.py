@@ -98,6 +98,7 @@ class BenchProbe(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = self._mark = time.perf_counter()
+        self._t0_unix = time.time()  # to place training on a clock read outside the job (switch counters)
         self._tx0 = tx_bytes(self.iface)
         self._cs0 = self._comm(trainer)
 
@@ -179,6 +180,7 @@ class BenchProbe(L.Callback):
             "train_seconds": self.train_seconds,
             "val_seconds": self.val_seconds,
             "wall_seconds": time.perf_counter() - self._t0,
+            "train_start_unix": self._t0_unix,
             "step_seconds": self.step_seconds,
             "curve": self.curve,
             "iface": self.iface,
