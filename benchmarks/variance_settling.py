@@ -1,0 +1,55 @@
+"""A callback that prints how far Adam's second moment has settled, for choosing ``onebit_adam``'s
+``freeze_step`` or ``zero_one_adam``'s ``var_freeze_step`` (issue #45).
+
+Every ``every`` optimizer steps, on rank 0, from the optimizer's own state: the share of values whose
+bias-corrected ``sqrt(v)`` is under ``floor`` times their tensor's RMS (what ``variance_floor`` would
+floor at a freeze now), and how much ``sqrt(v)`` moved since the last report (L1 of the change over
+L1 of ``sqrt(v)``). Meaningful before the freeze only: a frozen ``v`` is not updated, and the bias
+correction moves with the step count. From the repository root::
+
+    PYTHONPATH=benchmarks commstrats-lm fit --config tr.yaml --trainer.callbacks+=variance_settling.VarianceSettling
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class VarianceSettling(pl.Callback):
+    """Print ``[floor] step N: S% under the floor; sqrt(v) moved M% (L1) since step N - every``."""
+
+    def __init__(self, every: int = 10, floor: float = 0.1) -> None:
+        self.every, self.floor = every, floor
+        self.last: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step % self.every or trainer.global_rank != 0:
+            return
+        opt = trainer.optimizers[0]
+        below = total = 0
+        roots, per = [], []
+        for group in opt.param_groups:
+            b2 = group["betas"][1]
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if not st or "exp_avg_sq" not in st:
+                    continue
+                r = (st["exp_avg_sq"] / (1 - b2 ** float(st["step"]))).sqrt()
+                roots.append(r.detach().flatten().clone())
+                n = int((r < r.square().mean().sqrt() * self.floor).sum())
+                below, total = below + n, total + r.numel()
+                if r.numel() > 10000:
+                    per.append(f"{tuple(r.shape)}:{n / r.numel():.1%}")
+        if not total:
+            return
+        flat = torch.cat(roots)
+        moved = ""
+        if self.last is not None and self.last.shape == flat.shape:
+            share = float((flat - self.last).abs().sum() / flat.abs().sum())
+            moved = f"; sqrt(v) moved {share:.1%} (L1) since step {step - self.every}"
+        self.last = flat
+        print(f"[floor] step {step}: {below / total:.2%} under the floor ({below}/{total}){moved}; " + " ".join(per))
