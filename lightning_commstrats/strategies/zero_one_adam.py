@@ -475,7 +475,12 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
     fp32 (59 of 200).
 
     Tuning: ``var_freeze_step`` where the learning rate's warm-up ends (DeepSpeed: "does not require
-    tuning"), or 15-25% of a run without warm-up; ``local_step_scaler`` so that the interval reaches
+    tuning"), or 15-25% of a run without warm-up; ``var_update_scaler`` at least the steps the variance
+    needs to settle, since every step after the first ``var_update_scaler`` that does not update the
+    variance sends the momentum in 1 bit (on a Transformer LM with a tied 10k-word vocabulary, 100
+    steps, two seeds: the default 16 was 8.7-11.7% behind ``allreduce`` in perplexity whatever
+    ``var_freeze_step``, 64 with ``var_freeze_step=60`` as close as ``onebit_adam`` frozen at 60,
+    ``docs/benchmarks/quality.md``); ``local_step_scaler`` so that the interval reaches
     ``local_step_clipper`` well before the end (DeepSpeed's 32678 is for runs of hundreds of
     thousands of steps); ``local_step_clipper`` 16 (the paper's H), lower if the model drifts apart
     between rounds (many ranks, a high learning rate).
