@@ -21,7 +21,8 @@ DIMS = {"vocab": 64, "dim": 16, "blocks": 2, "moe": True}
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("inner", ["dp", "ep"])
+# about 17 s each: the quick suite keeps inner="ep" (the sites' layout), the slow suite both
+@pytest.mark.parametrize("inner", [pytest.param("dp", marks=pytest.mark.slow), "ep"])
 def test_expert_parallel_sharded_inside_the_hierarchy_trains_as_unsharded(inner):
     layout = {"ep_size": 2, "inner": inner}
     base = {"strategy": "expert_parallel", "build": "whole", "dims": DIMS, "max_steps": 4, "clip": 0.5}

@@ -66,7 +66,8 @@ def test_expert_parallel_sites_refuse_what_cannot_work():
         lc.DiLoCoStrategy(sync_period=4, expert_parallel="yes", shard="fsdp")
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "expert_parallel"])
+# about 25 s each: the quick suite keeps the sites' case, the slow suite expert_parallel's too
+@pytest.mark.parametrize("strategy", ["diloco", pytest.param("expert_parallel", marks=pytest.mark.slow)])
 def test_experts_and_shards_checkpointed_mid_period_resume_bit_for_bit(strategy):
     import tempfile
 
