@@ -120,9 +120,9 @@ def advise(
             bytes of ``model_averaging``), and ``sampled_vocab`` only with a vocabulary.
         tokens_per_rank, sampled_rows, shard: see :func:`predict`.
         optimizer, param_dtype, outer_state, accelerator: see :func:`memory_per_rank`.
-        link_inside_bits, link_between_bits, units, gather_dtype, reduce_dtype, reshard_after_forward,
-            overhead, empty_init, device_memory: the links inside and between groups, the sharded
-            layout's FSDP2 traffic and the peak memory against a device's: see :func:`predict`.
+        link_inside_bits, link_between_bits: the links inside and between groups: see :func:`predict`.
+        units, gather_dtype, reduce_dtype, reshard_after_forward: the sharded layout's FSDP2 traffic.
+        overhead, empty_init, device_memory: the peak memory against a device's: see :func:`predict`.
 
     Raises:
         ValueError: naming the argument: ``bandwidth_bits <= 0``, ``compute_seconds < 0``,
