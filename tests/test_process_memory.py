@@ -218,3 +218,27 @@ def _glibc() -> bool:
         return pm.os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
     except (AttributeError, ValueError, OSError):
         return False
+
+
+@linux_only
+def test_without_phases_the_kernels_peak_is_never_reset_for_other_readers():
+    # the phases reset VmHWM for the whole process; phases=False leaves it to other readers
+    def kernel_peak() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+    for phases in (True, False):
+        tracker = ProcessMemory(phases=phases)
+        touch_and_free(64 * MIB)
+        high = kernel_peak()
+        with tracker.phase("sync"):
+            pass
+        kept = kernel_peak()
+        if phases:
+            assert kept < high - 32 * MIB or tracker.phase_note is not None  # reset: the 64 MiB is gone
+        else:
+            assert kept >= high and tracker.stats()["rss"]["phases"]["sync"] is None
+            assert "never reset" in tracker.stats()["rss"]["note"]
+        assert tracker.stats()["rss"]["peak"] >= high  # the tracker keeps the run's peak either way
+    with pytest.raises(ValueError, match="memory_phases must be True or False"):
+        AllReduceStrategy(memory_phases="no")

@@ -106,11 +106,17 @@ class ProcessMemory:
     again keeps the largest peak of all its entries. Not thread-safe: call it from the training loop's
     thread (memory taken by another thread still counts, in whichever phase is open then).
 
+    Resetting a counter is process-wide: after a phase boundary, anything else that reads the kernel's
+    peak (``VmHWM``, ``getrusage``'s ``ru_maxrss``, ``/usr/bin/time``) or CUDA's sees the peak since
+    that boundary only; this tracker keeps the run's. ``phases=False`` never resets them: the run's
+    peak only, the phases' figures ``None``.
+
     Args:
         device: the rank's device; a CUDA device adds the caching allocator's counters. None: the host.
+        phases: whether phases reset the counters to measure their own peaks (default True).
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, phases: bool = True) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
         if self._cuda and self.device.index is None:
@@ -119,7 +125,10 @@ class ProcessMemory:
         self._linux = status is not None
         self.phase_note: str | None = None
         """Why the phases' ``rss`` peaks are not known (None: they are)."""
-        if not self._linux:
+        self._phases = phases
+        if not phases:
+            self.phase_note = "phases are off: the counters are never reset, so only the run's peak is known"
+        elif not self._linux:
             self.phase_note = f"{_STATUS} cannot be read on this system"
         self.start: dict[str, int | None] = self._now()
         """The counters when the tracker was made (bytes)."""
@@ -158,6 +167,8 @@ class ProcessMemory:
                 peaks[counter] = max(peaks.get(counter, 0), value)
 
     def _reset(self) -> None:
+        if not self._phases:
+            return
         if self.phase_note is None:
             self.phase_note = _reset_kernel_peak()
         if self._cuda:
@@ -202,7 +213,7 @@ class ProcessMemory:
     def _keep(self, name: str, peaks: dict[str, int]) -> None:
         kept = self.phase_peaks.setdefault(name, {})
         for counter in self._counters():
-            if counter == "rss" and self.phase_note is not None:
+            if (counter == "rss" and self.phase_note is not None) or not self._phases:
                 kept[counter] = None  # the kernel's peak was not reset at the phase's start
                 continue
             value = peaks.get(counter)
@@ -219,7 +230,11 @@ class ProcessMemory:
         for name, open_peaks in self._open:
             kept = phases.setdefault(name, {})
             for counter in self._counters():
-                value = None if counter == "rss" and self.phase_note is not None else open_peaks.get(counter)
+                value = (
+                    None
+                    if (counter == "rss" and self.phase_note is not None) or not self._phases
+                    else open_peaks.get(counter)
+                )
                 old = kept.get(counter)
                 kept[counter] = value if old is None or value is None else max(old, value)
         out: dict[str, dict[str, Any]] = {}
@@ -233,7 +248,7 @@ class ProcessMemory:
                 "peak": self.peak[counter],
                 "phases": {name: peaks.get(counter) for name, peaks in phases.items()},
             }
-            if counter == "rss" and self.phase_note is not None:
+            if (counter == "rss" and self.phase_note is not None) or not self._phases:
                 out[counter]["note"] = self.phase_note
         return out
 

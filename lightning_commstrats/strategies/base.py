@@ -167,6 +167,11 @@ class CommStrategy(RankDevices, ParallelStrategy):
             steps: ``"device"`` (default) or ``"host"`` (pinned host memory on CUDA, brought to the
             device for each step's encoding; two copies of them over the host link a step). The
             periodic schemes keep them with their outer state (``outer_state``).
+        memory_phases: whether :attr:`process_memory` measures the peaks of the ``training`` and
+            ``sync`` phases (default True). It resets the process's peak counters at each phase's start
+            (the kernel's ``VmHWM`` through ``/proc/self/clear_refs``, CUDA's peak statistics), so that
+            anything else reading them (``/usr/bin/time``, a profiler) sees the peak since the last
+            step's boundary; ``False`` never resets them and reports the run's peak only.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -191,6 +196,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         shard: str | None = None,
         shard_policy: Any = None,
         residuals: str = "device",
+        memory_phases: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -236,6 +242,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
             if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
                 raise ValueError(f"group_size must be a positive int, 'node' or None, got {group_size!r}")
         check_slow_bits(slow_hop_bits)
+        if not isinstance(memory_phases, bool):
+            raise ValueError(f"memory_phases must be True or False, got {memory_phases!r}")
         if slow_hop_bits < 32 and group_size is None and shard is None:
             raise ValueError(f"slow_hop_bits={slow_hop_bits} needs group_size (the hop between groups of ranks)")
         if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
@@ -266,6 +274,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self._param_set: ParamSet | None = None  # built when the model is final (setup_scheme)
         self._process_memory: ProcessMemory | None = None  # made at setup, once the rank's device is known
+        self.memory_phases = memory_phases
         self.samples_per_worker = 0
         self._samples_total_all_ranks = 0  # samples over all ranks, agreed when a schedule counts them
         self.optimizer_steps = 0
@@ -426,7 +435,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        self._process_memory = ProcessMemory(self.root_device)  # one per fit; the peak is the process's
+        self._process_memory = ProcessMemory(self.root_device, self.memory_phases)  # one per fit
         plugin = self.precision_plugin
         if getattr(plugin, "scaler", None) is not None and not hasattr(plugin, "unscale_and_check"):
             # Lightning's GradScaler unscales after the exchange and skips an overflowing step on
@@ -583,7 +592,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         (from the start of training to its end) and ``sync`` (each step's exchange, a periodic
         scheme's sync): :class:`~lightning_commstrats.sharding.ProcessMemory`."""
         if self._process_memory is None:  # the Fabric front end: made at its first use
-            self._process_memory = ProcessMemory(self.root_device)
+            self._process_memory = ProcessMemory(self.root_device, self.memory_phases)
         return self._process_memory
 
     def process_memory_stats(self) -> dict[str, dict[str, Any]]:
