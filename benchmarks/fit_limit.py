@@ -165,6 +165,7 @@ def rank_main(spec_json: str, out: str) -> None:
             self.accounted = max(self.accounted, sum(sum(memory[k].values()) for k in kinds))
 
     kwargs = {"sync_period": SYNC_PERIOD, "sync_period_unit": "steps", "outer_state": "host", **spec["kwargs"]}
+    kwargs["memory_phases"] = False  # the kernel's peak counter is this script's tracker's alone
     strategy = L.pytorch.strategies.StrategyRegistry["diloco"]["strategy"](**kwargs)
     trainer = L.Trainer(
         accelerator="cpu",

@@ -154,7 +154,12 @@ def train(
         print(f"glibc's mmap threshold left as it is: {why}")
     torch.set_num_threads(1)
     strategy = L.pytorch.strategies.StrategyRegistry["diloco"]["strategy"](
-        sync_period=sync_period, sync_period_unit="steps", outer_state="host", **shard
+        # memory_phases=False: the strategy leaves the kernel's peak counter to this script's own tracker
+        sync_period=sync_period,
+        sync_period_unit="steps",
+        outer_state="host",
+        memory_phases=False,
+        **shard,
     )
     phases = _Phases()
     trainer = L.Trainer(
