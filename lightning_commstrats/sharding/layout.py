@@ -130,12 +130,8 @@ class Sharding:
         )
         self.mesh = init_device_mesh(device.type, (self.num_groups, size), mesh_dim_names=("replicate", "shard"))
         self._across = topology.across()
-        if self.num_groups > 1:  # the mesh's own groups of rank i of every group, not another set of them
-            self.cross = TorchCommunicator(
-                self.mesh.get_group("replicate"), stats=comm.stats, heartbeat=comm.heartbeat, device=comm.device
-            )
-        else:
-            self.cross = _single(comm)
+        # the mesh's own groups of rank i of every group, not another set of them
+        self.cross = self._mesh_channel(comm, "replicate")
 
     def cross_channel(self, comm: Communicator, *, host: bool) -> Communicator:
         """Another cross-group channel, for a background exchange (collective, as :meth:`connect`):
@@ -147,10 +143,15 @@ class Sharding:
     def inner_channel(self, comm: Communicator) -> Communicator:
         """A communicator over this rank's group (the mesh's ``shard`` dimension, FSDP2's ranks), its
         traffic charged to ``comm``'s statistics: the channel of expert parallelism inside a group."""
-        if self.mesh.shape[1] == 1:
+        return self._mesh_channel(comm, "shard")
+
+    def _mesh_channel(self, comm: Communicator, dim: str) -> Communicator:
+        """A communicator over this rank's group of the mesh's dimension ``dim``, charged to ``comm``'s
+        statistics; this rank alone where that dimension has one rank."""
+        if self.mesh.shape[self.mesh.mesh_dim_names.index(dim)] == 1:
             return _single(comm)
         return TorchCommunicator(
-            self.mesh.get_group("shard"), stats=comm.stats, heartbeat=comm.heartbeat, device=comm.device
+            self.mesh.get_group(dim), stats=comm.stats, heartbeat=comm.heartbeat, device=comm.device
         )
 
     @property

@@ -114,16 +114,12 @@ class ShardPolicy:
         for name, module in root.named_modules():
             for child_name, _ in module.named_children():
                 parents[f"{name}.{child_name}" if name else child_name] = module
-        holders: dict[int, set[str]] = {}  # parameter id -> names of the modules that hold it directly
-        for name, module in root.named_modules(remove_duplicate=False):
-            for p in module.parameters(recurse=False):
-                holders.setdefault(id(p), set()).add(name)
+        tied = _tied_outside(root)
         chosen = []
         for name, module in root.named_modules():
             if not name or not self.is_unit(name, module, parents.get(name)):
                 continue
-            inside = {n for n, _ in module.named_modules(prefix=name, remove_duplicate=False)}
-            if any(not holders[id(p)] <= inside for p in module.parameters()):
+            if name in tied:
                 continue  # tied to a module outside: the root keeps it
             chosen.append((name, module))
         return list(reversed(chosen))
