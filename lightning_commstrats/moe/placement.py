@@ -24,6 +24,8 @@ tokens over its own experts. No Lightning here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -89,3 +91,8 @@ class ExpertPlacement:
             square = self.comm.all_reduce(square.reshape(1), "sum", tag="control")[0]
         factor = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
         torch._foreach_mul_(grads, factor)
+
+
+def clipped_by_the_strategy(optimizer: Any, clip_val: float) -> None:
+    """The precision plugin's clip by norm where the strategy clips by the norm of the whole model
+    itself (ranks hold different experts: ``expert_parallel``, ``expert_parallel=True``): nothing more."""

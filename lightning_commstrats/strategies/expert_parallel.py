@@ -14,6 +14,7 @@ from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import BucketedAllReduce, GradientCompression
 from lightning_commstrats.moe.layer import MoELayer
+from lightning_commstrats.moe.placement import clipped_by_the_strategy
 from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import agreed_buffer_ids
@@ -257,7 +258,7 @@ class ExpertParallelStrategy(AllReduceStrategy):
             # global one) and the replicated dense gradients would drift apart. Value clipping
             # (element-wise, the same on every replica) stays Lightning's.
             plugin = self.precision_plugin
-            plugin.clip_grad_by_norm = _clipped_by_the_strategy  # type: ignore[method-assign]
+            plugin.clip_grad_by_norm = clipped_by_the_strategy  # type: ignore[method-assign]
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
@@ -390,7 +391,3 @@ class ExpertParallelStrategy(AllReduceStrategy):
     def reset_state(self) -> None:
         if self.compression.exchange is not None:
             self.compression.exchange.reset()
-
-
-def _clipped_by_the_strategy(optimizer: Optimizer, clip_val: float) -> None:
-    """The precision plugin's clip by norm under ``expert_parallel``: already done by the strategy."""

@@ -49,7 +49,7 @@ from lightning_commstrats.compression.quantizers import check_codec
 from lightning_commstrats.compression.sparse import check_sparse_args
 from lightning_commstrats.compression.sparse_tiles import check_tiles_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, import_torchft
-from lightning_commstrats.moe.placement import ExpertPlacement
+from lightning_commstrats.moe.placement import ExpertPlacement, clipped_by_the_strategy
 from lightning_commstrats.outer import OuterFactory, OuterOptimizer, check_outer_state, resolve_outer_optimizer
 from lightning_commstrats.replicas import ReplicaGroup, flat_buffers, load_buffers
 from lightning_commstrats.sharding import local, tensors_in
@@ -432,7 +432,7 @@ class PeriodicSyncStrategy(CommStrategy):
     def setup_scheme(self) -> None:
         super().setup_scheme()
         if self.experts is not None:
-            self.precision_plugin.clip_grad_by_norm = _clipped_by_the_strategy  # type: ignore[method-assign]
+            self.precision_plugin.clip_grad_by_norm = clipped_by_the_strategy  # type: ignore[method-assign]
         n = len(self.params)
         if self.num_fragments > n:
             raise ValueError(f"num_fragments={self.num_fragments} is larger than the model's {n} parameter tensors")
@@ -1157,7 +1157,3 @@ def reset_momentum(optimizer: Optimizer, param_ids: set[int] | None = None) -> N
             buf = state.get(key)
             if isinstance(buf, Tensor):
                 buf.zero_()
-
-
-def _clipped_by_the_strategy(optimizer: Optimizer, clip_val: float) -> None:
-    """The precision plugin's clip by norm under ``expert_parallel=True``: done by the strategy."""
