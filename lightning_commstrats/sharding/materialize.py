@@ -130,8 +130,6 @@ def _allocate_plain(root: nn.Module, device: torch.device) -> None:
                     empty = torch.empty_like(t, device=device)
                     new[id(t)] = type(t)(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
                 table[name] = new[id(t)]
-        if isinstance(module, nn.RNNBase):  # its flat list of weights still names the meta tensors
-            module._init_flat_weights()
 
 
 def materialize(root: nn.Module, device: torch.device, index: int = 0) -> list[str]:
