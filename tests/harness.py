@@ -46,6 +46,7 @@ def _base_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"  # several ranks share two cores
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank stopped by SIGABRT prints every thread's Python stack
     return env
 
 
@@ -113,6 +114,7 @@ def _run_ranks_once(
         try:
             _wait_all(procs, timeout)
         except TimeoutError as err:
+            _dump_stacks(procs)
             raise RuntimeError(f"{err}:\n{_tails(logs)}") from err
         failed = [i for i, p in enumerate(procs) if p.returncode != 0]
         if failed:
@@ -138,6 +140,20 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"ranks still running after {timeout:.0f}s")
         time.sleep(0.05)
+
+
+def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+    """Ask the ranks still running where they are: SIGABRT, on which Python's fault handler (enabled
+    by ``PYTHONFAULTHANDLER``) prints every thread's stack to the rank's log before the process ends."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5.0
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _kill(p: subprocess.Popen) -> None:

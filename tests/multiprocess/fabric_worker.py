@@ -142,12 +142,16 @@ def main() -> None:
     assert "bmuf" in L.fabric.strategies.STRATEGY_REGISTRY, lightning_commstrats.__name__
     results = {}
     rank = 0
+    # one process group for every scenario, as Lightning keeps it between fits (the Trainer and Fabric
+    # both find it initialised): destroying it between scenarios and making a new one on the same
+    # port hung about one full-suite run in four (rank 0 never reached the next scenario's first
+    # collective, where its peer waited)
     for name, sc in spec["scenarios"].items():
         result = run_trainer(sc) if sc["front"] == "trainer" else run_fabric(name, sc, out)
         rank = result["rank"]
         results[name] = result
-        destroy_process_group()
     torch.save(results, out / f"rank{rank}.pt")
+    destroy_process_group()
 
 
 if __name__ == "__main__":
