@@ -4,8 +4,9 @@
 Every ``every`` optimizer steps, on rank 0, from the optimizer's own state: the share of values whose
 bias-corrected ``sqrt(v)`` is under ``floor`` times their tensor's RMS (what ``variance_floor`` would
 floor at a freeze now), and how much ``sqrt(v)`` moved since the last report (L1 of the change over
-L1 of ``sqrt(v)``). Meaningful before the freeze only: a frozen ``v`` is not updated, and the bias
-correction moves with the step count. From the repository root::
+L1 of ``sqrt(v)``; the strategies measure the same figure once, at the freeze:
+``lightning_commstrats.strategies.settling``). Meaningful before the freeze only: a frozen ``v`` is
+not updated, and the bias correction moves with the step count. From the repository root::
 
     PYTHONPATH=benchmarks commstrats-lm fit --config tr.yaml --trainer.callbacks+=variance_settling.VarianceSettling
 """
@@ -16,6 +17,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from lightning_commstrats.strategies.settling import variance_roots
 
 
 class VarianceSettling(pl.Callback):
@@ -30,23 +33,18 @@ class VarianceSettling(pl.Callback):
         if step % self.every or trainer.global_rank != 0:
             return
         opt = trainer.optimizers[0]
+        params = [p for group in opt.param_groups for p in group["params"]]
+        roots = [r.detach().clone() for r in variance_roots(opt, params)]
         below = total = 0
-        roots, per = [], []
-        for group in opt.param_groups:
-            b2 = group["betas"][1]
-            for p in group["params"]:
-                st = opt.state.get(p)
-                if not st or "exp_avg_sq" not in st:
-                    continue
-                r = (st["exp_avg_sq"] / (1 - b2 ** float(st["step"]))).sqrt()
-                roots.append(r.detach().flatten().clone())
-                n = int((r < r.square().mean().sqrt() * self.floor).sum())
-                below, total = below + n, total + r.numel()
-                if r.numel() > 10000:
-                    per.append(f"{tuple(r.shape)}:{n / r.numel():.1%}")
+        per = []
+        for r in roots:
+            n = int((r < r.square().mean().sqrt() * self.floor).sum())
+            below, total = below + n, total + r.numel()
+            if r.numel() > 10000:
+                per.append(f"{tuple(r.shape)}:{n / r.numel():.1%}")
         if not total:
             return
-        flat = torch.cat(roots)
+        flat = torch.cat([r.flatten() for r in roots])
         moved = ""
         if self.last is not None and self.last.shape == flat.shape:
             share = float((flat - self.last).abs().sum() / flat.abs().sum())

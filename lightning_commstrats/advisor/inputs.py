@@ -58,7 +58,7 @@ SAMPLED_VOCAB = {"alpha": 0.2, "beta": 0.1}  # the race's setting: 20% frequent 
 SETTINGS = {
     "allreduce": (),
     "onebit_sgd": ("num_quantization_bits", "small_tensor_numel"),
-    "onebit_adam": ("freeze_step", "num_quantization_bits", "small_tensor_numel"),
+    "onebit_adam": ("freeze_step", "num_quantization_bits", "small_tensor_numel", "settling_warning"),
     "zero_one_adam": ("var_freeze_step", "local_step_clipper", "num_quantization_bits", "small_tensor_numel"),
     "sampled_vocab": ("alpha", "beta", "num_quantization_bits", "error_feedback"),
     "model_averaging": (

@@ -104,7 +104,9 @@ def memory_per_rank(
       rank's stripe of it (a ``1/ranks`` share; rank 0's, the largest, is counted), plus the buckets
       of the tensors sent in full precision; at 32 bits the buckets of every gradient;
     - ``onebit_adam``: as ``onebit_sgd`` past the freeze (its momentum travels as ``onebit_sgd``'s
-      gradients do; the fp32 warm-up's gradient buckets are released at the freeze);
+      gradients do; the fp32 warm-up's gradient buckets are released at the freeze), or, when larger,
+      over the last ``settling_window`` steps before the freeze: those buckets and the settling
+      check's copy of ``sqrt(v)`` in bfloat16 (none with ``settling_warning=None``);
     - ``zero_one_adam``: as ``onebit_adam``, with its cached preconditioner (one copy of the
       parameters) and, with local steps (``local_step_clipper`` > 1), the weights at the last
       synchronisation and the accumulated momentum (two more); without them, the fp32 rounds'
@@ -184,6 +186,8 @@ def memory_per_rank(
         parts = _gradient_state(scheme, settings, model, local, replicas, width)
     if scheme == "zero_one_adam":
         parts = _zero_one_adam_state(settings, parts, numel * width, ranks)
+    if scheme == "onebit_adam":
+        parts = _onebit_adam_state(settings, parts, numel, width, ranks)
     if accelerator == "cpu":
         parts = [(what, nbytes, "host") for what, nbytes, _ in parts]
     where = "host" if accelerator == "cpu" else "device"
@@ -214,6 +218,20 @@ def _residuals(shapes: Sequence[tuple[int, ...]], ranks: int, small: int, by_row
             4 * sum(_stripe_numel(s, ranks, by_rows) for s in quantized),
         ),
     ]
+
+
+def _onebit_adam_state(
+    settings: Mapping[str, Any], parts: list[tuple[str, int, str]], numel: int, width: int, ranks: int
+) -> list[tuple[str, int, str]]:
+    """``onebit_adam``'s state at its largest: after the freeze (``parts``), or over the settling
+    check's window before it, the fp32 warm-up's gradient buckets and the copy of ``sqrt(v)`` in
+    bfloat16 (the larger with more than two ranks, whose stage-2 stripes are smaller)."""
+    if settings.get("settling_warning", 0.15) is None:
+        return parts
+    window = [("the settling check's copy of sqrt(v) (bfloat16, before the freeze)", 2 * numel, "device")]
+    if ranks > 1:
+        window.insert(0, ("gradient buckets of the fp32 warm-up", width * numel, "device"))
+    return window if sum(n for _, n, _ in window) > sum(n for _, n, _ in parts) else parts
 
 
 def _zero_one_adam_state(

@@ -135,6 +135,9 @@ class AllReduceStrategy(CommStrategy):
         compression: GradientCompression | None = getattr(self, "compression", None)
         exchange = None if compression is None else compression.exchange
         held = [] if exchange is None else [exchange.fused, exchange.state_dict()]
+        settling = getattr(self, "settling", None)  # the Adam schemes' copy of sqrt(v) before the freeze
+        if settling is not None:
+            held.append(settling.tensors())
         return super().scheme_tensors() + tensors_in(held)
 
     def check_compression_state(self, compression: GradientCompression, rank_state: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
 from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
+from lightning_commstrats.strategies.settling import VarianceSettling
 
 
 class FrozenVarianceAdam:
@@ -112,10 +113,6 @@ class FrozenVarianceAdam:
                         f" param group {i} of {type(optimizer).__name__} sets it"
                     )
 
-    def frozen(self, steps: int) -> bool:
-        """Whether a step that starts after ``steps`` optimizer steps is a 1-bit (frozen) one."""
-        return steps >= self.freeze_step
-
     @torch.no_grad()
     def local_momentum(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         """Write this rank's momentum ``m_i`` (divided by ``d`` with ``compress_after_preconditioner``)
@@ -169,7 +166,7 @@ class FrozenVarianceAdam:
         group: dict[str, Any],
     ) -> list[tuple[str, int, int, int]]:
         """At the freeze: how many values of the tensors frozen now fall under the floor."""
-        if self.floor_warning is None or self.variance_floor <= 0:
+        if self.floor_warning is None:
             return []
         roots = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
         torch._foreach_mul_(roots, self._corrections(group, frozen))
@@ -245,7 +242,7 @@ def check_floor_args(
         isinstance(floor_warning, bool) or not isinstance(floor_warning, (int, float)) or not 0 <= floor_warning <= 1
     ):
         raise ValueError(
-            f"floor_warning must be a share in [0, 1] of the values under the floor at the freeze above which it"
+            f"floor_warning must be a share in [0, 1] of the values with no gradient at the freeze above which it"
             f" warns, or None (never), got {floor_warning!r}"
         )
     return float(variance_floor), compress_after_preconditioner, None if floor_warning is None else float(floor_warning)
@@ -272,23 +269,27 @@ def unsettled_rows(
 def warn_unsettled(
     scheme: str, rows: Sequence[tuple[str, int, int, int]], steps: int, floor: float, threshold: float, setting: str
 ) -> None:
-    """Warn (rank 0) when more than ``threshold`` of the values froze under the floor.
+    """Warn (rank 0) when more than ``threshold`` of the values never had a gradient at the freeze.
 
-    ``rows``: ``(tensor name, values under the floor, values that never had a gradient, values)``."""
+    ``rows``: ``(tensor name, values under the floor, values that never had a gradient, values)``.
+    Values merely under the floor are not counted: a tied vocabulary's rare words and the query/key
+    parts of fused weights sit there at any freeze (31-76% of the values on the recipe's Transformer,
+    including runs within 2% of ``allreduce``), so their share does not tell an early freeze from a good
+    one; the settling figure (:mod:`~lightning_commstrats.strategies.settling`) does that."""
     total = sum(r[3] for r in rows)
-    below = sum(r[1] for r in rows)
-    if not total or below <= threshold * total:
-        return
     never = sum(r[2] for r in rows)
-    worst = sorted((r for r in rows if r[1]), key=lambda r: -r[1])[:3]
-    listed = ", ".join(f"{n} {b / v:.1%} ({z} with no gradient)" for n, b, z, v in worst)
+    if not total or never <= threshold * total:
+        return
+    below = sum(r[1] for r in rows)
+    worst = sorted((r for r in rows if r[2]), key=lambda r: -r[2])[:3]
+    listed = ", ".join(f"{n} {z / v:.1%}" for n, _, z, v in worst)
     rank_zero_warn(
-        f"{scheme}: the variance froze after {steps} optimizer steps with {below / total:.1%} of the values"
-        f" ({below} of {total}; {never} never had a gradient) under the floor of variance_floor={floor} times"
-        f" their tensor's RMS: {listed}. Their variance had not settled (too few steps, or rows such as a"
-        f" vocabulary's rare words too few tokens): they step with the floored preconditioner (momentum SGD at"
-        f" their tensor's typical scale), not Adam's. A later {setting} settles more of them; floor_warning=None"
-        " silences this."
+        f"{scheme}: the variance froze after {steps} optimizer steps with {never / total:.1%} of the values"
+        f" ({never} of {total}) that never had a gradient: {listed}; {below} values in all under the floor of"
+        f" variance_floor={floor} times their tensor's RMS. Rows no token of the warm-up used (an untied"
+        " vocabulary's unseen words) have no variance to freeze: they step with the floored preconditioner"
+        f" (momentum SGD at their tensor's typical scale), not Adam's. A later {setting} lets more of them be"
+        " seen; floor_warning=None silences this."
     )
 
 
@@ -357,9 +358,16 @@ class OneBitAdamStrategy(AllReduceStrategy):
     LM's vocabulary rows that no token of the warm-up used: the paper's update moves them by
     ``lr c / eps`` per step, ``c`` a column's 1-bit scale): the momentum is divided by the frozen
     preconditioner before it is compressed, and the preconditioner has a floor of ``variance_floor``
-    times its tensor's RMS (see :class:`FrozenVarianceAdam`); the bytes are the paper's. At the freeze
-    it warns (``floor_warning``) when more than 1% of the values froze under the floor, with the
-    share and the tensors: it does not move the freeze, since rows a run never uses never settle.
+    times its tensor's RMS (see :class:`FrozenVarianceAdam`); the bytes are the paper's.
+
+    Safe by default: at the freeze it measures how far ``sqrt(v)`` moved over the last
+    ``settling_window`` steps (:mod:`~lightning_commstrats.strategies.settling`) and warns when more
+    than ``settling_warning`` (15%): a freeze too early for the variance to settle. With
+    ``delay_freeze=N`` it moves the freeze ``settling_window`` steps later instead, while the figure
+    is above the threshold, at most ``N`` steps in all (off by default: the freeze stays where the
+    user put it and the bytes are the ones planned). It also warns (``floor_warning``) when more
+    than 1% of the values never had a gradient at the freeze (an untied vocabulary's unseen rows):
+    they step at the floor, as momentum SGD.
 
     Tuning: ``freeze_step`` as the paper: long enough for the variance to settle (they froze after
     15-25% of BERT pre-training; on this package's LSTM recipe 100-200 steps of 414 were within 1%
@@ -368,9 +376,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
     makes the next update explode: measured, ``benchmarks/results/gpu_check``). On a Transformer LM
     with a tied 10k-word vocabulary (100 steps, two seeds) 20% of the run was +29.5% in perplexity,
     60% +4.4%, 80% +1.6%, 4 bits frozen at 60% +1.1%: freeze once the variance has stopped moving
-    (``benchmarks/variance_settling.py`` prints it), not at a share of the run; the floor's warning
-    fires at every freeze of such a model (30-76% of the values under the floor: rare words' rows and
-    the query/key parts of fused weights) and does not tell an early freeze from a good one
+    (the settling warning says when it had not), not at a share of the run
     (``docs/benchmarks/quality.md``). ``num_quantization_bits`` 2-8 trades bytes for noise; 32 is
     "Adam with its variance frozen" in fp32 (a control).
 
@@ -387,8 +393,13 @@ class OneBitAdamStrategy(AllReduceStrategy):
             (0.1; 0 is the paper's: see :class:`FrozenVarianceAdam`).
         compress_after_preconditioner: send the momentum divided by the frozen preconditioner (default;
             ``False`` sends the momentum, the paper's).
-        floor_warning: warn at the freeze when more than this share of the values froze under the
-            floor (0.01); ``None``: never.
+        floor_warning: warn at the freeze when more than this share of the values never had a
+            gradient (0.01); ``None``: never.
+        settling_warning: warn at the freeze when ``sqrt(v)`` moved more than this share (L1) over
+            the last ``settling_window`` steps (0.15); ``None``: no check (and no copy of ``sqrt(v)``).
+        settling_window: the optimizer steps the settling figure spans (10).
+        delay_freeze: move the freeze ``settling_window`` steps later while the figure is above
+            ``settling_warning``, at most this many steps in all (0: never; the warning instead).
         small_tensor_numel: tensors this small (or 1-D) carry their momentum in fp32.
         half_dtype: the 16-bit format.
         bucket_cap_mb, backend, timeout, start_method: as :class:`AllReduceStrategy`.
@@ -411,6 +422,9 @@ class OneBitAdamStrategy(AllReduceStrategy):
         variance_floor: float = 0.1,
         compress_after_preconditioner: bool = True,
         floor_warning: float | None = 0.01,
+        settling_warning: float | None = 0.15,
+        settling_window: int = 10,
+        delay_freeze: int = 0,
         small_tensor_numel: int = 1024,
         half_dtype: str = "float16",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -422,16 +436,30 @@ class OneBitAdamStrategy(AllReduceStrategy):
         adam = FrozenVarianceAdam(
             freeze_step, bias_correction, variance_floor, compress_after_preconditioner, floor_warning
         )
+        settling = VarianceSettling(freeze_step, settling_warning, settling_window, delay_freeze)
         compression = GradientCompression(num_quantization_bits, 0, "steps", small_tensor_numel, half_dtype)
         super().__init__(
             bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
         )
         self.adam = adam
+        self.settling = settling
         self.compression = compression
 
     @property
     def freeze_step(self) -> int:
         return self.adam.freeze_step
+
+    def _frozen(self, optimizer: Optimizer) -> bool:
+        """Whether this step (after ``optimizer_steps`` completed ones) is a frozen one: the settling
+        check copies ``sqrt(v)`` on its way there and, at the step the freeze is due, may move it."""
+        steps, settling = self.optimizer_steps, self.settling
+        if steps < settling.freeze_at:
+            settling.observe(steps, optimizer, trainable_params(optimizer))
+            return False
+        if steps == settling.freeze_at and not self.adam.frozen_at:  # the step the freeze is due
+            agree = (lambda flag: self.comm.broadcast_object(flag, 0)) if self.world_size > 1 else None
+            return settling.decide(steps, optimizer, trainable_params(optimizer), agree)
+        return True
 
     @property
     def num_quantization_bits(self) -> int:
@@ -458,7 +486,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
 
     @override
     def after_backward(self, optimizer: Optimizer) -> None:
-        if not self.adam.frozen(self.optimizer_steps):
+        if not self._frozen(optimizer):
             super().after_backward(optimizer)  # fp32 gradients; the user's Adam steps
             return
         params = trainable_params(optimizer)
@@ -476,7 +504,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "onebit_adam": self.adam.state_dict()}
+        return {**super().state_dict(), "onebit_adam": self.adam.state_dict(), "settling": self.settling.state_dict()}
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
@@ -487,6 +515,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
         self.check_compression_state(self.compression, rank_state)
         super().load_state_dict(state, rank_state)
         self.adam.load_state_dict(state.get("onebit_adam", {}))
+        self.settling.load_state_dict(state.get("settling", {}), self.root_device)
         self.bind_compression(self.compression).load_state_dict(rank_state)
 
     @override

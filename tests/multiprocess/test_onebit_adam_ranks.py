@@ -152,3 +152,22 @@ def test_a_checkpoint_mid_run_resumes_bit_for_bit():
         assert len(after) == len(r["resumed"]["trace"]) == STEPS - 4
         for a, b in zip(after, r["resumed"]["trace"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_delayed_freeze_is_agreed_and_is_the_later_freeze_step_bit_for_bit():
+    # the threshold is never met: the freeze moves 2 steps at a time, 3 -> 5 (the cap), on both ranks
+    # together; the run is the one frozen at 5 with no check, weights and bytes
+    delayed = scenario("adamw")
+    delayed["kwargs"].update(settling_warning=1e-9, settling_window=2, delay_freeze=2)
+    later = scenario("adamw")
+    later["kwargs"].update(freeze_step=5, settling_warning=None)
+    results = run_ranks({"scenarios": {"delayed": delayed, "later": later}}, 2)
+    for r in results:
+        assert len(r["delayed"]["trace"]) == STEPS
+        for a, b in zip(r["delayed"]["trace"], r["later"]["trace"], strict=True):
+            assert torch.equal(a, b)
+        for t, (a, b) in enumerate(zip(r["delayed"]["step_bytes"], r["later"]["step_bytes"], strict=True), start=1):
+            quant = (a.get("grad_quantized/bytes_sent", 0), b.get("grad_quantized/bytes_sent", 0))
+            assert quant == ((0, 0) if t <= 5 else (320, 320)), t
+    for a, b in zip(results[0]["delayed"]["trace"], results[1]["delayed"]["trace"], strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,150 @@
+"""The settling check of the Adam schemes (issue 45): the figure against a hand computation, the
+warning at an early freeze, the delayed freeze that equals a later ``freeze_step`` bit for bit."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_commstrats import OneBitAdamStrategy, ZeroOneAdamStrategy
+from lightning_commstrats.strategies.settling import VarianceSettling
+from lightning_commstrats.strategies.zero_one_adam import ZeroOneAdam
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"settling_warning": 0}, "settling_warning"),
+        ({"settling_warning": -0.1}, "settling_warning"),
+        ({"settling_warning": True}, "settling_warning"),
+        ({"settling_window": 0}, "settling_window"),
+        ({"settling_window": 2.5}, "settling_window"),
+        ({"delay_freeze": -1}, "delay_freeze"),
+        ({"delay_freeze": 1.5}, "delay_freeze"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_setting(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        OneBitAdamStrategy(**kwargs)
+    if named != "delay_freeze":
+        with pytest.raises(ValueError, match=named):
+            ZeroOneAdamStrategy(**kwargs)
+
+
+def _adam(v0: dict[str, torch.Tensor], steps: int, betas=((0.9, 0.999), (0.9, 0.99))):
+    params = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in v0.items()}
+    groups = [{"params": [p], "betas": b} for p, b in zip(params.values(), betas, strict=True)]
+    opt = torch.optim.Adam(groups, lr=0.01)
+    for k, p in params.items():
+        opt.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": torch.zeros_like(p), "exp_avg_sq": v0[k].clone()}
+    return opt, list(params.values())
+
+
+def test_the_figure_is_the_l1_share_sqrt_v_moved_with_adams_bias_correction():
+    g = torch.Generator().manual_seed(0)
+    v0 = {"a": torch.rand(30, 20, generator=g) * 1e-4, "b": torch.rand(50, generator=g) * 1e-2}
+    v1 = {k: v * (1 + 0.5 * torch.rand(v.shape, generator=g)) for k, v in v0.items()}
+    opt, params = _adam(v0, steps=6)
+    s = VarianceSettling(10, window=4)
+    s.observe(5, opt, params)  # not the snapshot step (10 - 4 = 6)
+    assert s._snapshot is None
+    s.observe(6, opt, params)
+    for p, v in zip(params, v1.values(), strict=True):
+        opt.state[p]["exp_avg_sq"].copy_(v)
+        opt.state[p]["step"].fill_(10)
+    moved = s.moved(opt, params)
+    # by hand, in float64: r = sqrt(v / (1 - b2^t)), each group with its own b2
+    r0 = [(v0["a"].double() / (1 - 0.999**6)).sqrt(), (v0["b"].double() / (1 - 0.99**6)).sqrt()]
+    r1 = [(v1["a"].double() / (1 - 0.999**10)).sqrt(), (v1["b"].double() / (1 - 0.99**10)).sqrt()]
+    expected = sum(float((b - a).abs().sum()) for a, b in zip(r0, r1, strict=True)) / sum(float(b.sum()) for b in r1)
+    assert 0.1 < expected < 0.5
+    assert moved == pytest.approx(expected, rel=1e-2)  # the snapshot is kept in bfloat16
+    assert s.moved(opt, params) is None  # the snapshot is used once
+
+
+def test_the_snapshot_travels_in_the_state_so_a_resumed_run_measures_the_same_figure():
+    v0 = {"a": torch.full((4, 4), 1e-4), "b": torch.full((3,), 1e-2)}
+    opt, params = _adam(v0, steps=2)
+    s = VarianceSettling(5, window=3, max_delay=6)
+    s.observe(2, opt, params)
+    s.freeze_at = 8  # as if delayed once
+    other = VarianceSettling(5, window=3, max_delay=6)
+    other.load_state_dict(s.state_dict())
+    assert other.freeze_at == 8 and other._taken_at == 2
+    for a, b in zip(other._snapshot, s._snapshot, strict=True):
+        assert torch.equal(a, b)
+
+
+class Optimized(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+def _fit(strategy, steps=10):
+    torch.manual_seed(0)
+    model = Optimized()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), strategy
+
+
+def test_an_early_freeze_is_warned_of_with_the_figure():
+    with pytest.warns(
+        UserWarning, match=r"frozen at optimizer step 3 while sqrt\(v\) still moved [0-9.]+% \(L1\) over the last 2"
+    ):
+        _fit(OneBitAdamStrategy(freeze_step=3, settling_window=2), steps=5)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*settling_warning.*")
+        _fit(OneBitAdamStrategy(freeze_step=3, settling_window=2, settling_warning=None), steps=5)
+        _fit(OneBitAdamStrategy(freeze_step=3, settling_window=2, settling_warning=100.0), steps=5)
+
+
+def test_a_delayed_freeze_is_the_later_freeze_step_bit_for_bit():
+    # the threshold is never met: the freeze moves 2 steps at a time up to the cap, 3 -> 5 -> 7, and
+    # warns there; the run is then the one frozen at 7 with no check
+    with pytest.warns(UserWarning, match=r"frozen at optimizer step 7 after delaying it 4 steps \(delay_freeze=5\)"):
+        delayed, strategy = _fit(
+            OneBitAdamStrategy(freeze_step=3, settling_window=2, settling_warning=1e-9, delay_freeze=5)
+        )
+    assert strategy.settling.freeze_at == 7
+    assert set(strategy.adam.frozen_at.values()) == {7}
+    later, _ = _fit(OneBitAdamStrategy(freeze_step=7, settling_warning=None))
+    assert torch.equal(delayed, later)
+    early, _ = _fit(OneBitAdamStrategy(freeze_step=3, settling_warning=None))
+    assert not torch.equal(delayed, early)
+    # settled (a threshold the figure is under): frozen where planned
+    settled, strategy = _fit(
+        OneBitAdamStrategy(freeze_step=3, settling_window=2, settling_warning=100.0, delay_freeze=5)
+    )
+    assert strategy.settling.freeze_at == 3 and set(strategy.adam.frozen_at.values()) == {3}
+    assert torch.equal(settled, early)
+
+
+def test_zero_one_adam_warns_at_its_first_compressed_step():
+    assert ZeroOneAdam(400).first_compressed_step() == 17  # var_update_scaler=16: steps 1-16 update v
+    assert ZeroOneAdam(5).first_compressed_step() == 6
+    assert ZeroOneAdam(400, var_update_scaler=4).first_compressed_step() == 5
+    strategy = ZeroOneAdamStrategy(var_freeze_step=8, var_update_scaler=4, settling_window=2)
+    assert strategy.settling.freeze_at == 4
+    with pytest.warns(
+        UserWarning,
+        match=r"zero_one_adam: the momentum goes out compressed from optimizer step 5 .*larger var_update_scaler",
+    ):
+        _fit(strategy, steps=6)
+    assert strategy.settling.last is not None and strategy.settling.last > 0.15
+    assert math.isfinite(strategy.settling.last)
