@@ -183,7 +183,9 @@ class PeriodicSyncStrategy(CommStrategy):
             all-to-all inside the group and its dense part sharded by FSDP2 over the same ranks
             (needs ``shard="fsdp"``); rank ``i`` of every group holds the same experts and dense shard
             and exchanges them with rank ``i`` of the others (see
-            :mod:`lightning_commstrats.moe.placement`).
+            :mod:`lightning_commstrats.moe.placement`). With ``fault_tolerance`` each replica is
+            such a group: rank ``i`` of a restarted replica heals from rank ``i`` of a live one (its
+            experts and its dense shard).
         **kwargs: passed to :class:`~lightning_commstrats.strategies.base.CommStrategy`.
     """
 
@@ -226,11 +228,6 @@ class PeriodicSyncStrategy(CommStrategy):
             raise ValueError(
                 "expert_parallel=True needs shard='fsdp': the ranks of a group share their experts and FSDP2"
                 " reduces the dense part's gradients inside the group; pass shard='fsdp' and group_size"
-            )
-        if expert_parallel and fault_tolerance is not None:
-            raise ValueError(
-                "expert_parallel=True with fault_tolerance is not supported yet: a replica would heal its"
-                " experts rank by rank; pass one of them"
             )
         check_outer_state(outer_state)
         ft = FaultTolerance.of(fault_tolerance)

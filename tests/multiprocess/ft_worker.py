@@ -30,6 +30,8 @@ import lightning_commstrats
 from lightning_commstrats import fault_tolerance as ft
 from lightning_commstrats import replicas as rp
 from lightning_commstrats.fabric import FabricStrategy
+from lightning_commstrats.moe import MoELayer
+from lightning_commstrats.moe.layer import Experts
 from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies import periodic
 
@@ -44,10 +46,12 @@ SCHEMES = {
 class Regression(L.LightningModule):
     """A two-layer MLP on a fixed random regression task (its matrices are large enough to be quantized)."""
 
-    def __init__(self, step_sleep: float = 0.0, batchnorm: bool = False) -> None:
+    def __init__(self, step_sleep: float = 0.0, batchnorm: bool = False, moe: bool = False) -> None:
         super().__init__()
         norm = [nn.BatchNorm1d(64)] if batchnorm else []
-        self.net = nn.Sequential(nn.Linear(32, 64), *norm, nn.Tanh(), nn.Linear(64, 32))
+        # moe: a mixture-of-experts layer (4 experts, top-1) between the two, for expert_parallel=True
+        mid = [MoELayer(64, 64, 4)] if moe else []
+        self.net = nn.Sequential(nn.Linear(32, 64), *norm, nn.Tanh(), *mid, nn.Linear(64, 32))
         self.step_sleep = step_sleep
 
     def forward(self, x):
@@ -118,7 +122,7 @@ def main() -> None:
     out = Path(sys.argv[2])
     rid = spec["replica_id"]
     torch.manual_seed(spec.get("init_seed", 0))  # replicas may start from different initialisations
-    model = Regression(spec.get("step_sleep", 0.0), spec.get("batchnorm", False))
+    model = Regression(spec.get("step_sleep", 0.0), spec.get("batchnorm", False), spec.get("moe", False))
     config = {"lighthouse": spec["lighthouse"], "replica_id": rid, "min_replicas": spec.get("min_replicas", 1)}
     config.update(spec.get("ft", {}))
     kwargs = dict(spec.get("scheme_kwargs", {}))
@@ -326,6 +330,8 @@ def main() -> None:
         "model": digest([p for p in model.parameters()]),
         "buffers": digest([b for b in model.buffers() if b.is_floating_point()]),
         "running_mean": next((b.clone() for n, b in model.named_buffers() if n.endswith("running_mean")), None),
+        # moe: the experts this rank holds (local rows of its MoE tensors; None without an MoE layer)
+        "expert_rows": next((m.w1.shape[0] for m in model.modules() if isinstance(m, Experts)), None),
         "weights": [w.clone() for w in weights],
         "loss": loss,
         "lr": lr,

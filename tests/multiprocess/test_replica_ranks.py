@@ -92,6 +92,35 @@ def test_a_dead_rank_takes_its_replica_out_and_the_restarted_replica_heals_rank_
         assert ranks[0]["a"]["bytes"].get("gather", 0) > 0  # and gathered the other half inside the replica
 
 
+@pytest.mark.slow  # (about 40 s: the quick suite's budget)
+def test_mixture_of_experts_replicas_a_killed_rank_and_a_heal_rank_by_rank():
+    # each replica is a group of 2 ranks holding the 4 experts once (2 each, their all-to-all inside the
+    # replica) and the dense part sharded by FSDP2; rank i of every replica holds the same experts and
+    # dense shard, exchanges them with rank i of the other, and heals from it
+    sk = {"sync_period": 8, "shard": "fsdp", "expert_parallel": True, "shard_policy": {"min_unit_numel": 1}}
+    moe = {"scheme_kwargs": sk, "max_steps": 96, "moe": True}
+    with FTRun(min_replicas=1) as run:
+        run.start("a", spec(0, **moe, hold={"at_step": 40, "until": "b.restarted"}))
+        run.start("b", spec(1, **moe, kill={"after_step": 12, "rank": 1}))
+        assert run.wait_dead("b") != 0
+        killed = float((run.out / "b.killed").read_text())
+        time.sleep(RESTART_AFTER)
+        run.start("b", spec(5, **moe, mark_setup="b.restarted"))
+        run.wait()
+        ranks = {r: {rid: load_rank(run, rid, r) for rid in "ab"} for r in (0, 1)}
+    a0 = ranks[0]["a"]
+    alone = [s for s in a0["syncs"] if s["time"] > killed and s["quorum"] == 1]
+    assert alone, "a went on alone after b's rank was killed"
+    assert a0["syncs"][-1]["quorum"] == 2
+    for r in (0, 1):
+        ranks_agree(ranks[r])  # rank r of a and of b: the same experts, dense shard and outer state
+        assert ranks[r]["b"]["heals"], f"rank {r} of the restarted b healed from rank {r} of a"
+        assert ranks[r]["b"]["global_step"] == ranks[r]["a"]["global_step"] == 96
+        # this rank's experts: 2 of each MoE tensor's 4 (its slice), whole (not FSDP2 shards)
+        assert ranks[r]["a"]["expert_rows"] == 2, ranks[r]["a"]["expert_rows"]
+    assert ranks[0]["a"]["global"] != ranks[1]["a"]["global"]  # the two ranks hold other experts and shards
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("scheme", "scheme_kwargs", "collective"),
