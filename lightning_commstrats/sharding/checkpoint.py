@@ -327,7 +327,18 @@ def load(
     same = meta["world_size"] == comm.world_size and meta["group_size"] == group_size
     old_groups = meta["world_size"] // meta["group_size"]
     group = comm.rank // group_size
-    source = comm.rank if same else (group % old_groups) * meta["group_size"]
+    # On another layout rank i of group k reads old group (k mod G_old)'s rank i: the same place in a
+    # group of the same size holds the same experts (a rank's own entries) and dense shard. Experts are
+    # not re-split over groups of another size (a rank would hold other experts than any saved rank).
+    kept_whole = any(r.get("model") for r in meta["ranks"])
+    if not same and kept_whole and meta["group_size"] != group_size:
+        raise ValueError(
+            f"{path} holds experts kept whole per rank in groups of {meta['group_size']} ranks: they resume on"
+            f" groups of the same size only (this run has group_size={group_size}); another number of groups"
+            " is fine"
+        )
+    place = comm.rank % group_size if meta["group_size"] == group_size else 0
+    source = comm.rank if same else (group % old_groups) * meta["group_size"] + place
     mine = meta["ranks"][source]
     wanted: dict[str, Tensor] = {}
     mesh = next(p.device_mesh for p in module.parameters() if is_dtensor(p))

@@ -157,10 +157,12 @@ class Record(L.Callback):
         self.steps: list[dict[str, torch.Tensor]] = []
         self.seen = 0
         self.start: dict[str, torch.Tensor] | None = None
+        self.opt_start: dict[str, dict[str, torch.Tensor]] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.start is None:  # the weights training starts from (a checkpoint restored by now)
             self.start = {n: full(p) for n, p in pl_module.named_parameters()}
+            self.opt_start = moments(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         strategy = trainer.strategy
@@ -184,6 +186,16 @@ class NaNShard(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             local(pl_module.emb.weight.grad).view(-1)[0] = float("nan")
+
+
+def moments(trainer: L.Trainer, module: L.LightningModule) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter name, this rank's part of every tensor of the first optimizer's state for it."""
+    opt = trainer.optimizers[0]
+    out = {}
+    for n, p in module.named_parameters():
+        state = opt.state.get(p, {})
+        out[n] = {k: local(v).detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return out
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -265,6 +277,8 @@ def run_scenario(name: str, sc: dict[str, Any], out: Path, rank_hint: int) -> tu
         "final": {n: full(p) for n, p in model.named_parameters()},
         "syncs": record.syncs,
         "start": record.start,
+        "opt_start": record.opt_start,  # the first optimizer's state when training starts (and at the end)
+        "opt_final": moments(trainer, model),
         "steps": record.steps,
         "losses": model.losses,
         "tied": model.is_tied(),

@@ -6,6 +6,7 @@ the group, its dense part sharded by FSDP2 over the same 2 ranks; rank ``i`` of 
 same experts and dense shard and DiLoCo averages them across the groups.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,41 @@ def test_experts_and_shards_checkpointed_mid_period_resume_bit_for_bit(strategy)
         assert res["straight"]["losses"][4:] == res["resumed"]["losses"], rank
         for name, value in res["straight"]["final"].items():
             assert torch.equal(res["resumed"]["final"][name], value), (rank, name)
+
+
+def test_experts_resume_onto_another_number_of_groups_rank_i_from_rank_i():
+    # 2 groups of 2 saved at a sync (step 4), resumed as 1 group of 2 (resume_mismatch="reshard"): rank i
+    # takes saved rank i's experts, dense shard of the global model and inner optimizer state
+    import tempfile
+
+    shard_worker = Path(__file__).parent / "shard_worker.py"
+    ckpt = tempfile.mkdtemp(prefix="commstrats-moe-reshard-")
+    kw = {"sync_period": 2, "sync_period_unit": "steps", "group_size": 2, "expert_parallel": True}
+    kw.update(shard="fsdp", shard_policy={"min_unit_numel": 1}, resume_mismatch="reshard")
+    common = {"strategy": "diloco", "model": "moe", "epoch_steps": 4, "optimizer": "adamw", "kwargs": kw}
+    saved = run_ranks(
+        {"scenarios": {"four": {**common, "max_steps": 4, "ckpt_every": 4, "ckpt_dir": ckpt}}}, 4, script=shard_worker
+    )
+    resumed = run_ranks(
+        {"scenarios": {"two": {**common, "max_steps": 6, "resume": ["four", 4], "resume_dir": ckpt, "devices": 2}}},
+        2,
+        script=shard_worker,
+    )
+    for i in (0, 1):
+        old, new = saved[i]["four"], resumed[i]["two"]
+        assert old["syncs"][-1][0] == 4  # the checkpoint is at a sync: every group's weights are the global ones
+        experts = [n for n in old["final"] if ".experts." in n]
+        assert experts
+        for name, value in old["final"].items():
+            assert torch.equal(new["start"][name], value), (i, name)
+        for name, state in old["opt_final"].items():
+            assert state and set(new["opt_start"][name]) == set(state), (i, name)
+            for key, value in state.items():
+                assert torch.equal(new["opt_start"][name][key], value), (i, name, key)
+        assert len(new["losses"]) == 2 and all(math.isfinite(x) for x in new["losses"])
+    # the two ranks hold other experts: rank 1 did not take rank 0's
+    assert not torch.equal(resumed[0]["two"]["start"][experts[0]], resumed[1]["two"]["start"][experts[0]])
+    # groups of another size would give a rank other experts than any saved rank holds: refused
+    ones = {**common, "kwargs": {**kw, "group_size": 1}, "max_steps": 6, "resume": ["four", 4], "resume_dir": ckpt}
+    with pytest.raises(RuntimeError, match="experts kept whole per rank in groups of 2 ranks"):
+        run_ranks({"scenarios": {"ones": {**ones, "devices": 2}}}, 2, script=shard_worker)
