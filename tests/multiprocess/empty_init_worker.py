@@ -11,7 +11,8 @@ with a ``LayerNorm`` each) and this rank saves ``OUT_DIR/rank<r>.pt`` holding, p
 - ``rss``: the kernel's count for this process, in bytes: ``start`` (VmRSS before the model is
   built), ``build_peak`` (VmHWM from just before the build to the first batch: the kernel's peak is
   reset by writing 5 to ``/proc/self/clear_refs``), ``train_peak`` (VmHWM from the first batch to
-  the end of fit, reset likewise), ``model_bytes`` (the whole model in fp32).
+  the end of fit, reset likewise), ``end`` (VmRSS when training ends, the state in place: Trainer
+  only), ``model_bytes`` (the whole model in fp32); ``memory``: the strategy's ``memory_stats()`` then.
 
 glibc's mmap threshold is fixed at 128 KiB in this process (``mallopt``, as ``MALLOC_MMAP_THRESHOLD_``
 does), so freed blocks go back to the system and the peak follows the live tensors.
@@ -185,6 +186,12 @@ class Watch(L.Callback):
         self.record_weights = record_weights
         self.start: dict[str, torch.Tensor] | None = None
         self.build_peak = 0
+        self.end_rss = 0
+        self.memory: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.end_rss = _status("VmRSS")  # what the process holds with its state in place
+        self.memory = trainer.strategy.memory_stats()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.start is None:
@@ -245,11 +252,12 @@ def run_trainer(sc: dict[str, Any], rank_hint: int, calls: Calls) -> tuple[int, 
         model = Blocks(build, sc.get("optimizer", "sgd"), **dims)
     loader = DataLoader(Batches(rank_hint, steps, dims.get("vocab", 64)), batch_size=None, shuffle=False)
     trainer.fit(model, train_dataloaders=loader)
-    rss.update(build_peak=watch.build_peak, train_peak=_status("VmHWM"))
+    rss.update(build_peak=watch.build_peak, train_peak=_status("VmHWM"), end=watch.end_rss)
     rss["model_bytes"] = 4 * sum(p.numel() for p in model.parameters())
     out = result(model, strategy, model.losses, watch.start, rss, sc)
     out["init_calls"] = [m for m in calls.messages if "initialised by" in m]
     out["optimizer_steps"] = strategy.optimizer_steps
+    out["memory"] = watch.memory
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     group = getattr(layers[0].comm, "group", None) if layers else None
     # the global ranks the MoE layers' all-to-all runs over (None: one rank or none)
