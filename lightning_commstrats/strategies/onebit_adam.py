@@ -454,7 +454,8 @@ class OneBitAdamStrategy(AllReduceStrategy):
         check copies ``sqrt(v)`` on its way there and, at the step the freeze is due, may move it."""
         steps, settling = self.optimizer_steps, self.settling
         if steps < settling.freeze_at:
-            settling.observe(steps, optimizer, trainable_params(optimizer))
+            if settling.due(steps):  # (the parameters listed on that step only)
+                settling.observe(steps, optimizer, trainable_params(optimizer))
             return False
         if steps == settling.freeze_at and not self.adam.frozen_at:  # the step the freeze is due
             agree = (lambda flag: self.comm.broadcast_object(flag, 0)) if self.world_size > 1 else None

@@ -110,10 +110,15 @@ class VarianceSettling:
         """The completed optimizer steps after which ``r`` is copied (at least one step of history)."""
         return max(1, self.freeze_at - self.window)
 
+    def due(self, steps: int) -> bool:
+        """Whether the copy of ``r`` is taken at the start of the step after ``steps`` completed ones."""
+        return self.active and steps == self.snapshot_step() and steps < self.freeze_at
+
     @torch.no_grad()
     def observe(self, steps: int, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> None:
-        """At the start of a step that follows ``steps`` completed ones, before the freeze."""
-        if self.active and steps == self.snapshot_step() and steps < self.freeze_at:
+        """At the start of a step that follows ``steps`` completed ones, before the freeze: the copy
+        of ``r`` when it is due (the strategy may ask :meth:`due` first and skip listing ``params``)."""
+        if self.due(steps):
             self._take(steps, optimizer, params)
 
     def _take(self, steps: int, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> None:
