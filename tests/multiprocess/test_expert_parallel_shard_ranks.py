@@ -71,3 +71,18 @@ def test_the_dense_state_per_rank_halves_on_a_2_way_shard_by_the_tensors_and_by_
         # the kernel's count of the process with that state in place (glibc's mmap threshold fixed by
         # the worker, so freed blocks went back): it falls by at least 80% of what the tensors say
         assert kernel["unsharded"] - kernel["sharded"] > 0.8 * saved, (kernel, saved)
+
+
+def test_fabric_runs_expert_parallel_sharded_as_the_trainer_does():
+    kwargs = {**EP_2x2, "shard": "fsdp", "shard_policy": {"min_unit_numel": 1}}
+    base = {"strategy": "expert_parallel", "build": "whole", "dims": DIMS, "max_steps": 4, "kwargs": kwargs}
+    scenarios = {"trainer": base, "fabric": {**base, "front": "fabric"}}
+    for rank, r in enumerate(run_ranks({"scenarios": scenarios}, 4, script=WORKER)):
+        trainer, fabric = r["trainer"], r["fabric"]
+        assert fabric["sharded"] is False  # the experts stay whole beside the dense DTensors
+        assert [fabric["local_numel"][n] * (1 if ".experts." in n else 2) for n in fabric["full_numel"]] == list(
+            fabric["full_numel"].values()
+        )
+        assert fabric["losses"] == trainer["losses"], rank
+        for name, t in trainer["whole"].items():
+            assert torch.equal(fabric["whole"][name], t), (rank, name)
