@@ -14,7 +14,7 @@ from lightning_commstrats.comm.base import LocalCommunicator
 from lightning_commstrats.compression.density import StatisticalAllGather, check_schedule
 from lightning_commstrats.compression.sparse import SPARSE_VALUE_BITS, TopKCodec
 from lightning_commstrats.compression.sparse_tiles import TiledSparseAllGather
-from lightning_commstrats.strategies.periodic import PSEUDO_GRAD_BITS
+from lightning_commstrats.strategies.periodic_settings import PSEUDO_GRAD_BITS
 from lightning_commstrats.strategies.streaming_diloco import default_delay
 
 

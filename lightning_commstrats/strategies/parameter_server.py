@@ -81,7 +81,7 @@ from lightning_commstrats.comm.stats import CommStats
 from lightning_commstrats.comm.torch_dist import describe_stopped
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy
-from lightning_commstrats.strategies.periodic import check_period
+from lightning_commstrats.strategies.periodic_settings import check_period
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from collections import deque
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -44,37 +43,29 @@ from typing_extensions import override
 
 from lightning_commstrats.buckets import flatten, unflatten_into
 from lightning_commstrats.comm import Communicator
-from lightning_commstrats.compression.exchange import SCALES, TensorExchange, check_exchange_args
-from lightning_commstrats.compression.quantizers import check_codec
-from lightning_commstrats.compression.sparse import check_sparse_args
-from lightning_commstrats.compression.sparse_tiles import check_tiles_args
-from lightning_commstrats.fault_tolerance import FaultTolerance, import_torchft
+from lightning_commstrats.compression.exchange import TensorExchange
+from lightning_commstrats.fault_tolerance import FaultTolerance
 from lightning_commstrats.moe.placement import ExpertPlacement, clipped_by_the_strategy
-from lightning_commstrats.outer import OuterFactory, OuterOptimizer, check_outer_state, resolve_outer_optimizer
+from lightning_commstrats.outer import OuterFactory, OuterOptimizer, resolve_outer_optimizer
 from lightning_commstrats.replicas import ReplicaGroup, flat_buffers, load_buffers
 from lightning_commstrats.sharding import local, tensors_in
 from lightning_commstrats.sharding.checkpoint import global_state_dict
 from lightning_commstrats.strategies.allreduce import dense_grad, trainable_params
 from lightning_commstrats.strategies.base import CommStrategy
 from lightning_commstrats.strategies.fragments import BackgroundRunner, Exchange, FragmentSchedule, fragment_bounds
+from lightning_commstrats.strategies.periodic_settings import (
+    OUTER_ARGUMENTS,
+    check_periodic_settings,
+)
+from lightning_commstrats.strategies.trainer_hooks import (
+    AgreedStop,
+    reseed_samplers,
+    reset_momentum,
+    set_trainer_steps,
+    step_schedulers_once,
+)
 
 log = logging.getLogger(__name__)
-
-UNITS = ("samples", "steps")
-PSEUDO_GRAD_BITS = (2, 4, 8, 16, 32)
-# First-moment buffers of the common optimizers: SGD's momentum and Adam's exp_avg.
-MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
-
-
-OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
-
-
-def check_period(sync_period: Any, sync_period_unit: Any) -> None:
-    """Raise ``ValueError`` unless ``sync_period`` is a positive int and ``sync_period_unit`` one of :data:`UNITS`."""
-    if isinstance(sync_period, bool) or not isinstance(sync_period, int) or sync_period <= 0:
-        raise ValueError(f"sync_period must be a positive int, got {sync_period!r}")
-    if sync_period_unit not in UNITS:
-        raise ValueError(f"sync_period_unit={sync_period_unit!r} is not supported; choose one of {UNITS}")
 
 
 def refuse_outer_arguments(kwargs: dict[str, Any], owner: str, instead: str) -> None:
@@ -221,85 +212,32 @@ class PeriodicSyncStrategy(CommStrategy):
         expert_parallel: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_period(sync_period, sync_period_unit)
-        if not isinstance(expert_parallel, bool):
-            raise ValueError(f"expert_parallel must be True or False, got {expert_parallel!r}")
-        if expert_parallel and kwargs.get("shard") != "fsdp":
-            raise ValueError(
-                "expert_parallel=True needs shard='fsdp': the ranks of a group share their experts and FSDP2"
-                " reduces the dense part's gradients inside the group; pass shard='fsdp' and group_size"
-            )
-        check_outer_state(outer_state)
-        ft = FaultTolerance.of(fault_tolerance)
-        if ft is not None:
-            import_torchft()  # without the [ft] extra: the install hint now
-            if sync_period_unit != "steps":
-                raise ValueError(
-                    f"fault_tolerance needs sync_period_unit='steps', got {sync_period_unit!r}: replicas agree on"
-                    " when to sync by counting optimizer steps (a replica that heals takes over the step count)"
-                )
-            if parallelization_start:
-                raise ValueError(
-                    f"fault_tolerance does not take a warm start (parallelization_start={parallelization_start}):"
-                    " across replicas only the periodic exchange is fault tolerant"
-                )
-        if not isinstance(parallelization_start, int) or parallelization_start < 0:
-            raise ValueError(f"parallelization_start must be an int >= 0, got {parallelization_start!r}")
-        if isinstance(pseudo_grad_bits, bool) or pseudo_grad_bits not in PSEUDO_GRAD_BITS:
-            raise ValueError(
-                f"pseudo_grad_bits={pseudo_grad_bits!r} is not supported; choose one of {PSEUDO_GRAD_BITS}"
-            )
-        check_exchange_args(pseudo_grad_bits, half_dtype, small_tensor_numel, name="pseudo_grad_bits")
-        if pseudo_grad_scales not in SCALES:
-            raise ValueError(f"pseudo_grad_scales={pseudo_grad_scales!r} is not supported; choose one of {SCALES}")
-        check_codec(pseudo_grad_codec, pseudo_grad_bits, name="pseudo_grad_codec", bits_name="pseudo_grad_bits")
-        check_tiles_args(
-            pseudo_grad_codec,
-            topk_form,
-            topk_tile,
-            topk_per_chunk,
-            topk_sigmas,
-            names=("pseudo_grad_codec", "topk_form", "topk_tile", "topk_per_chunk", "topk_sigmas"),
+        ft = check_periodic_settings(
+            sync_period=sync_period,
+            sync_period_unit=sync_period_unit,
+            parallelization_start=parallelization_start,
+            pseudo_grad_bits=pseudo_grad_bits,
+            pseudo_grad_scales=pseudo_grad_scales,
+            pseudo_grad_codec=pseudo_grad_codec,
+            topk_chunk=topk_chunk,
+            topk_per_chunk=topk_per_chunk,
+            error_feedback_decay=error_feedback_decay,
+            topk_form=topk_form,
+            topk_tile=topk_tile,
+            topk_sigmas=topk_sigmas,
+            small_tensor_numel=small_tensor_numel,
+            half_dtype=half_dtype,
+            num_fragments=num_fragments,
+            fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+            keep_local_progress=keep_local_progress,
+            fault_tolerance=fault_tolerance,
+            outer_state=outer_state,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            expert_parallel=expert_parallel,
+            shard=kwargs.get("shard"),
         )
-        check_sparse_args(
-            pseudo_grad_codec,
-            topk_tile * topk_tile if topk_form == "published" else topk_chunk,
-            topk_per_chunk,
-            pseudo_grad_bits,
-            error_feedback_decay,
-            names=("pseudo_grad_codec", "topk_chunk", "topk_per_chunk", "pseudo_grad_bits", "error_feedback_decay"),
-        )
-        if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
-            raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
-        if num_fragments > 1 and sync_period_unit != "steps":
-            raise ValueError(f"num_fragments={num_fragments} needs sync_period_unit='steps', got {sync_period_unit!r}")
-        if num_fragments > sync_period:
-            raise ValueError(f"num_fragments={num_fragments} must be <= sync_period={sync_period}")
-        if isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int) or fragment_sync_delay < 0:
-            raise ValueError(f"fragment_sync_delay must be an int >= 0, got {fragment_sync_delay!r}")
-        if fragment_sync_delay and sync_period_unit != "steps":
-            raise ValueError(
-                f"fragment_sync_delay={fragment_sync_delay} counts optimizer steps: it needs"
-                f" sync_period_unit='steps', got {sync_period_unit!r}"
-            )
-        if fragment_sync_delay and fragment_sync_delay * num_fragments >= sync_period:
-            raise ValueError(
-                f"fragment_sync_delay={fragment_sync_delay} must be < sync_period / num_fragments ="
-                f" {sync_period}/{num_fragments}: a fragment's exchange must land before the next one starts"
-            )
-        if not _is_number(fragment_update_alpha) or not 0.0 <= fragment_update_alpha <= 1.0:
-            raise ValueError(f"fragment_update_alpha must be a number in [0, 1], got {fragment_update_alpha!r}")
-        if not isinstance(keep_local_progress, bool):
-            raise ValueError(f"keep_local_progress must be True or False, got {keep_local_progress!r}")
-        if keep_local_progress and fragment_update_alpha != 0.0:
-            raise ValueError(
-                f"keep_local_progress=True keeps every local step, fragment_update_alpha={fragment_update_alpha!r}"
-                " would mix them again: pass fragment_update_alpha=0"
-            )
-        if not _is_number(outer_lr) or outer_lr <= 0:
-            raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}")
-        if not _is_number(outer_momentum) or not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
         self._outer_factory = resolve_outer_optimizer(outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs)
         super().__init__(**kwargs)
         self.sync_period = sync_period
@@ -1074,83 +1012,3 @@ class PeriodicSyncStrategy(CommStrategy):
         self._inflight = None
         if self._exchange is not None:
             self._exchange.reset()
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def step_schedulers_once(trainer: Any) -> None:
-    """Step the Trainer's per-step learning-rate schedulers once (as its loop does after a step)."""
-    if trainer is None:
-        return
-    for cfg in trainer.lr_scheduler_configs:
-        if cfg.interval == "step":
-            cfg.scheduler.step()
-
-
-def set_trainer_steps(trainer: Any, steps: int) -> None:
-    """Make the Trainer count ``steps`` optimizer steps done (its ``global_step``), so that a replica
-    that healed from a peer stops at the same ``max_steps`` as the run."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    progress = (
-        epoch_loop.automatic_optimization.optim_progress.optimizer.step
-        if trainer.lightning_module.automatic_optimization
-        else epoch_loop.manual_optimization.optim_step_progress
-    )
-    # Inside an optimizer step (a sync applied there) Lightning has counted the step as ready and
-    # counts it completed, and the batch as stepped, only after: leave that one to it.
-    inside = int(progress.total.ready > progress.total.completed)
-    progress.total.ready = steps
-    progress.total.completed = steps - inside
-    epoch_loop._batches_that_stepped = steps - inside
-
-
-class AgreedStop(Callback):
-    """Fault tolerance: a stop asked by a callback or a time limit (``trainer.should_stop``) waits for the
-    next sync, where the replicas agree on it, so that every replica's fit ends at the same step.
-    Installed last by the periodic strategy (after ``EarlyStopping`` and ``Timer`` decided)."""
-
-    def __init__(self, strategy: PeriodicSyncStrategy) -> None:
-        self.strategy = strategy
-
-    def _defer(self, trainer: Any) -> None:
-        strategy = self.strategy
-        if trainer.should_stop and strategy.optimizer_steps < strategy._run_end:
-            strategy._stop_requested = True
-            trainer.should_stop = False
-
-    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        self._defer(trainer)
-
-    def on_validation_end(self, trainer: Any, *args: Any) -> None:
-        self._defer(trainer)
-
-    def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
-        self._defer(trainer)
-
-
-def reseed_samplers(trainer: Any, seed: int) -> None:
-    """Give the training dataloaders' distributed samplers (the ones Lightning put in) ``seed``."""
-    from torch.utils.data import DistributedSampler
-
-    combined = trainer.fit_loop._combined_loader
-    for loader in [] if combined is None else combined.flattened:
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
-            sampler.seed = seed
-        batch_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-        if isinstance(batch_sampler, DistributedSampler):
-            batch_sampler.seed = seed
-
-
-def reset_momentum(optimizer: Optimizer, param_ids: set[int] | None = None) -> None:
-    """Zero the first-moment buffers (``momentum_buffer``, ``exp_avg``) of ``optimizer``, of the
-    parameters whose ``id`` is in ``param_ids`` (all for ``None``)."""
-    for p, state in optimizer.state.items():
-        if param_ids is not None and id(p) not in param_ids:
-            continue
-        for key in MOMENTUM_KEYS:
-            buf = state.get(key)
-            if isinstance(buf, Tensor):
-                buf.zero_()

@@ -68,7 +68,7 @@ def variance_roots(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -
 
 
 class VarianceSettling:
-    """Measures :data:`moved <lightning_commstrats.strategies.settling>` at a freeze and warns, or
+    """Measures ``moved`` (the module's figure) at a freeze and warns, or
     (``max_delay > 0``) moves the freeze later by ``window`` steps at a time while it is above
     ``threshold``, at most ``max_delay`` steps in all.
 
