@@ -4,14 +4,11 @@ agreement."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
-
-if TYPE_CHECKING:
-    from lightning_commstrats.strategies.periodic import PeriodicSyncStrategy
 
 # First-moment buffers of the common optimizers: SGD's momentum and Adam's exp_avg.
 MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
@@ -48,7 +45,7 @@ class AgreedStop(Callback):
     next sync, where the replicas agree on it, so that every replica's fit ends at the same step.
     Installed last by the periodic strategy (after ``EarlyStopping`` and ``Timer`` decided)."""
 
-    def __init__(self, strategy: PeriodicSyncStrategy) -> None:
+    def __init__(self, strategy: Any) -> None:  # the PeriodicSyncStrategy that installed it
         self.strategy = strategy
 
     def _defer(self, trainer: Any) -> None:
