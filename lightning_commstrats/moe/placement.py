@@ -86,11 +86,20 @@ class ExpertPlacement:
         grads = [*dense, *experts]
         if not grads:
             return
-        square = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2
+        square = squared_norm(grads, grads[0].device)
         if self.comm is not None and self.comm.world_size > 1:
             square = self.comm.all_reduce(square.reshape(1), "sum", tag="control")[0]
         factor = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
         torch._foreach_mul_(grads, factor)
+
+
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of ``grads`` (float32, a 0-d tensor on ``device``), each tensor's norm in one
+    fused operation over the list, as ``torch.nn.utils.clip_grad_norm_`` takes them."""
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm([g if g.dtype == torch.float32 else g.float() for g in grads])
+    return torch.linalg.vector_norm(torch.stack(norms)) ** 2
 
 
 def clipped_by_the_strategy(optimizer: Any, clip_val: float) -> None:

@@ -14,7 +14,7 @@ from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.comm import Communicator
 from lightning_commstrats.compression.exchange import BucketedAllReduce, GradientCompression
 from lightning_commstrats.moe.layer import MoELayer
-from lightning_commstrats.moe.placement import clipped_by_the_strategy
+from lightning_commstrats.moe.placement import clipped_by_the_strategy, squared_norm
 from lightning_commstrats.sharding import local
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, dense_grad, trainable_params
 from lightning_commstrats.strategies.base import agreed_buffer_ids
@@ -310,8 +310,8 @@ class ExpertParallelStrategy(AllReduceStrategy):
         max_norm = trainer.gradient_clip_val if trainer is not None else None
         if not max_norm or (trainer.gradient_clip_algorithm or "norm") != "norm":
             return
-        dense_square = self._squared_norm([local(g) for g in dense])
-        expert_square = self._squared_norm(experts)
+        dense_square = squared_norm([local(g) for g in dense], self.root_device)
+        expert_square = squared_norm(experts, self.root_device)
         if self.sharding is None:
             expert_square = self.ep_comm.all_reduce(expert_square.reshape(1), "sum", tag="control")[0]
         elif self.inner == "ep":  # the dense shards and the experts both spread over the ep group
@@ -323,11 +323,6 @@ class ExpertParallelStrategy(AllReduceStrategy):
         total = (dense_square + expert_square).sqrt()
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_([local(g) for g in dense] + experts, factor)
-
-    def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        if not grads:
-            return torch.zeros((), device=self.root_device)
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) ** 2
 
     # ------------------------------------------------------------------ checkpoints
 
