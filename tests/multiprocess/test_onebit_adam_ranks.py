@@ -171,3 +171,22 @@ def test_a_delayed_freeze_is_agreed_and_is_the_later_freeze_step_bit_for_bit():
             assert quant == ((0, 0) if t <= 5 else (320, 320)), t
     for a, b in zip(results[0]["delayed"]["trace"], results[1]["delayed"]["trace"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_checkpoint_inside_a_delay_resumes_bit_for_bit():
+    # the freeze moves 3 -> 5 -> 7 (the threshold is never met); the checkpoint at step 4 holds the
+    # copy of sqrt(v) taken at step 3 and the freeze step in force (5): the resumed run measures and
+    # decides as the straight one, weights and bytes
+    delay = {"settling_warning": 1e-9, "settling_window": 2, "delay_freeze": 4}
+    full = scenario("adamw", ckpt_every=4, batch_size=32)
+    full["kwargs"].update(delay)
+    resumed = scenario("adamw", resume=["full", 4], batch_size=32)
+    resumed["kwargs"].update(delay)
+    results = run_ranks({"scenarios": {"full": full, "resumed": resumed}}, 2)
+    for r in results:
+        after = r["full"]["trace"][4:]
+        assert len(after) == len(r["resumed"]["trace"]) == STEPS - 4
+        for a, b in zip(after, r["resumed"]["trace"], strict=True):
+            assert torch.equal(a, b)
+        quant = [s.get("grad_quantized/bytes_sent", 0) for s in r["resumed"]["step_bytes"]]
+        assert quant == [0, 0, 0, 320], quant  # steps 5-7 fp32, frozen from step 8 (after 7 steps)
