@@ -45,9 +45,20 @@ class VarianceSettling(pl.Callback):
         if not total:
             return
         flat = torch.cat([r.flatten() for r in roots])
+        sums = torch.stack([r.sum() for r in roots])  # per tensor: its values' sum of sqrt(v)
         moved = ""
         if self.last is not None and self.last.shape == flat.shape:
             share = float((flat - self.last).abs().sum() / flat.abs().sum())
-            moved = f"; sqrt(v) moved {share:.1%} (L1) since step {step - self.every}"
+            # the same change with each tensor's values averaged first: per-value noise cancels,
+            # a drift of the tensor's gradient scale stays
+            drift = float((sums - self.last_sums).abs().sum() / sums.sum())
+            b2 = opt.param_groups[0]["betas"][1]
+            t, w = float(next(iter(opt.state.values()))["step"]), self.every
+            forgets = 1 - b2**w * (1 - b2 ** (t - w)) / (1 - b2**t)  # the last w steps' weight in v's average
+            moved = (
+                f"; sqrt(v) moved {share:.1%} (L1) since step {step - self.every}, per-tensor means {drift:.2%};"
+                f" the last {w} steps' weight in v {forgets:.3f} (0.65x: {0.65 * forgets:.1%})"
+            )
         self.last = flat
+        self.last_sums = sums
         print(f"[floor] step {step}: {below / total:.2%} under the floor ({below}/{total}){moved}; " + " ".join(per))

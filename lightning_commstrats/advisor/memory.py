@@ -106,7 +106,7 @@ def memory_per_rank(
     - ``onebit_adam``: as ``onebit_sgd`` past the freeze (its momentum travels as ``onebit_sgd``'s
       gradients do; the fp32 warm-up's gradient buckets are released at the freeze), or, when larger,
       over the last ``settling_window`` steps before the freeze: those buckets and the settling
-      check's copy of ``sqrt(v)`` in bfloat16 (none with ``settling_warning=None``);
+      check's copy of each tensor's sum of ``sqrt(v)`` (none with ``settling_warning=None``);
     - ``zero_one_adam``: as ``onebit_adam``, with its cached preconditioner (one copy of the
       parameters) and, with local steps (``local_step_clipper`` > 1), the weights at the last
       synchronisation and the accumulated momentum (two more); without them, the fp32 rounds'
@@ -187,7 +187,7 @@ def memory_per_rank(
     if scheme == "zero_one_adam":
         parts = _zero_one_adam_state(settings, parts, numel * width, ranks)
     if scheme == "onebit_adam":
-        parts = _onebit_adam_state(settings, parts, numel, width, ranks)
+        parts = _onebit_adam_state(settings, parts, numel, width, ranks, len(local))
     if accelerator == "cpu":
         parts = [(what, nbytes, "host") for what, nbytes, _ in parts]
     where = "host" if accelerator == "cpu" else "device"
@@ -221,14 +221,14 @@ def _residuals(shapes: Sequence[tuple[int, ...]], ranks: int, small: int, by_row
 
 
 def _onebit_adam_state(
-    settings: Mapping[str, Any], parts: list[tuple[str, int, str]], numel: int, width: int, ranks: int
+    settings: Mapping[str, Any], parts: list[tuple[str, int, str]], numel: int, width: int, ranks: int, tensors: int
 ) -> list[tuple[str, int, str]]:
     """``onebit_adam``'s state at its largest: after the freeze (``parts``), or over the settling
-    check's window before it, the fp32 warm-up's gradient buckets and the copy of ``sqrt(v)`` in
-    bfloat16 (the larger with more than two ranks, whose stage-2 stripes are smaller)."""
-    if settings.get("settling_warning", 0.15) is None:
+    check's window before it, the fp32 warm-up's gradient buckets and the check's copy of each tensor's
+    sum of ``sqrt(v)`` (4 bytes a tensor)."""
+    if settings.get("settling_warning", 0.03) is None:
         return parts
-    window = [("the settling check's copy of sqrt(v) (bfloat16, before the freeze)", 2 * numel, "device")]
+    window = [("the settling check's per-tensor sums of sqrt(v) (before the freeze)", 4 * tensors, "device")]
     if ranks > 1:
         window.insert(0, ("gradient buckets of the fp32 warm-up", width * numel, "device"))
     return window if sum(n for _, n, _ in window) > sum(n for _, n, _ in parts) else parts

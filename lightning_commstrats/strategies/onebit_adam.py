@@ -360,9 +360,9 @@ class OneBitAdamStrategy(AllReduceStrategy):
     preconditioner before it is compressed, and the preconditioner has a floor of ``variance_floor``
     times its tensor's RMS (see :class:`FrozenVarianceAdam`); the bytes are the paper's.
 
-    Safe by default: at the freeze it measures how far ``sqrt(v)`` moved over the last
-    ``settling_window`` steps (:mod:`~lightning_commstrats.strategies.settling`) and warns when more
-    than ``settling_warning`` (15%): a freeze too early for the variance to settle. With
+    Safe by default: at the freeze it measures how far each tensor's scale of ``sqrt(v)`` drifted
+    over the last ``settling_window`` steps (:mod:`~lightning_commstrats.strategies.settling`) and
+    warns when more than ``settling_warning`` (3%): a freeze too early for the variance to settle. With
     ``delay_freeze=N`` it moves the freeze ``settling_window`` steps later instead, while the figure
     is above the threshold, at most ``N`` steps in all (off by default: the freeze stays where the
     user put it and the bytes are the ones planned). It also warns (``floor_warning``) when more
@@ -395,8 +395,8 @@ class OneBitAdamStrategy(AllReduceStrategy):
             ``False`` sends the momentum, the paper's).
         floor_warning: warn at the freeze when more than this share of the values never had a
             gradient (0.01); ``None``: never.
-        settling_warning: warn at the freeze when ``sqrt(v)`` moved more than this share (L1) over
-            the last ``settling_window`` steps (0.15); ``None``: no check (and no copy of ``sqrt(v)``).
+        settling_warning: warn at the freeze when the tensors' scale of ``sqrt(v)`` drifted more than
+            this share over the last ``settling_window`` steps (0.03); ``None``: no check.
         settling_window: the optimizer steps the settling figure spans (10).
         delay_freeze: move the freeze ``settling_window`` steps later while the figure is above
             ``settling_warning``, at most this many steps in all (0: never; the warning instead).
@@ -422,7 +422,7 @@ class OneBitAdamStrategy(AllReduceStrategy):
         variance_floor: float = 0.1,
         compress_after_preconditioner: bool = True,
         floor_warning: float | None = 0.01,
-        settling_warning: float | None = 0.15,
+        settling_warning: float | None = 0.03,
         settling_window: int = 10,
         delay_freeze: int = 0,
         small_tensor_numel: int = 1024,

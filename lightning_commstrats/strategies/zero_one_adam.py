@@ -474,7 +474,7 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
     (``d`` moves little between them). The bytes are the paper's. Right after ``var_freeze_step``
     it warns (``floor_warning``) when more than 1% of the values never had a gradient. At its first
     compressed step (``var_update_scaler + 1`` unless ``var_freeze_step`` comes first) it warns when
-    ``sqrt(v)`` still moved more than ``settling_warning`` (15%, L1) over the last
+    the tensors' scale of ``sqrt(v)`` still drifted more than ``settling_warning`` (3%) over the last
     ``settling_window`` steps (:mod:`~lightning_commstrats.strategies.settling`): the momentum goes
     out in 1 bit before the variance settled (measured at the default 16: 8.7-11.7% behind
     ``allreduce`` on a Transformer LM).
@@ -513,8 +513,8 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
         compress_after_preconditioner: send ``u_i / d`` (default) or ``u_i`` (the paper's).
         floor_warning: warn after ``var_freeze_step`` when more than this share of the values never
             had a gradient (0.01); ``None``: never.
-        settling_warning: warn at the first compressed step when ``sqrt(v)`` moved more than this
-            share (L1) over the last ``settling_window`` steps (0.15); ``None``: no check.
+        settling_warning: warn at the first compressed step when the tensors' scale of ``sqrt(v)``
+            drifted more than this share over the last ``settling_window`` steps (0.03); ``None``: no check.
         settling_window: the optimizer steps the settling figure spans (10).
         small_tensor_numel: tensors this small (or 1-D) carry ``u`` in fp32.
         half_dtype: the 16-bit format.
@@ -541,7 +541,7 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
         variance_floor: float = 0.1,
         compress_after_preconditioner: bool = True,
         floor_warning: float | None = 0.01,
-        settling_warning: float | None = 0.15,
+        settling_warning: float | None = 0.03,
         settling_window: int = 10,
         small_tensor_numel: int = 1024,
         half_dtype: str = "float16",

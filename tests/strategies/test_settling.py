@@ -45,7 +45,7 @@ def _adam(v0: dict[str, torch.Tensor], steps: int, betas=((0.9, 0.999), (0.9, 0.
     return opt, list(params.values())
 
 
-def test_the_figure_is_the_l1_share_sqrt_v_moved_with_adams_bias_correction():
+def test_the_figure_is_the_drift_of_each_tensors_sum_of_sqrt_v_with_adams_bias_correction():
     g = torch.Generator().manual_seed(0)
     v0 = {"a": torch.rand(30, 20, generator=g) * 1e-4, "b": torch.rand(50, generator=g) * 1e-2}
     v1 = {k: v * (1 + 0.5 * torch.rand(v.shape, generator=g)) for k, v in v0.items()}
@@ -57,17 +57,18 @@ def test_the_figure_is_the_l1_share_sqrt_v_moved_with_adams_bias_correction():
     for p, v in zip(params, v1.values(), strict=True):
         opt.state[p]["exp_avg_sq"].copy_(v)
         opt.state[p]["step"].fill_(10)
-    moved = s.moved(opt, params)
-    # by hand, in float64: r = sqrt(v / (1 - b2^t)), each group with its own b2
+    drift = s.drift(opt, params)
+    # by hand, in float64: r = sqrt(v / (1 - b2^t)), each group with its own b2; per tensor the sum
     r0 = [(v0["a"].double() / (1 - 0.999**6)).sqrt(), (v0["b"].double() / (1 - 0.99**6)).sqrt()]
     r1 = [(v1["a"].double() / (1 - 0.999**10)).sqrt(), (v1["b"].double() / (1 - 0.99**10)).sqrt()]
-    expected = sum(float((b - a).abs().sum()) for a, b in zip(r0, r1, strict=True)) / sum(float(b.sum()) for b in r1)
-    assert 0.1 < expected < 0.5
-    assert moved == pytest.approx(expected, rel=1e-2)  # the snapshot is kept in bfloat16
-    assert s.moved(opt, params) is None  # the snapshot is used once
+    expected = sum(abs(float(b.sum() - a.sum())) for a, b in zip(r0, r1, strict=True)) / sum(float(b.sum()) for b in r1)
+    per_value = sum(float((b - a).abs().sum()) for a, b in zip(r0, r1, strict=True)) / sum(float(b.sum()) for b in r1)
+    assert 0.01 < expected < per_value  # values' scatter cancels in a tensor's sum
+    assert drift == pytest.approx(expected, rel=1e-5)
+    assert s.drift(opt, params) is None  # the copy is used once
 
 
-def test_the_snapshot_travels_in_the_state_so_a_resumed_run_measures_the_same_figure():
+def test_the_copy_travels_in_the_state_so_a_resumed_run_measures_the_same_figure():
     v0 = {"a": torch.full((4, 4), 1e-4), "b": torch.full((3,), 1e-2)}
     opt, params = _adam(v0, steps=2)
     s = VarianceSettling(5, window=3, max_delay=6)
@@ -76,8 +77,7 @@ def test_the_snapshot_travels_in_the_state_so_a_resumed_run_measures_the_same_fi
     other = VarianceSettling(5, window=3, max_delay=6)
     other.load_state_dict(s.state_dict())
     assert other.freeze_at == 8 and other._taken_at == 2
-    for a, b in zip(other._snapshot, s._snapshot, strict=True):
-        assert torch.equal(a, b)
+    assert torch.equal(other._snapshot, s._snapshot) and s._snapshot.shape == (2,)
 
 
 class Optimized(BoringModel):
@@ -105,7 +105,8 @@ def _fit(strategy, steps=10):
 
 def test_an_early_freeze_is_warned_of_with_the_figure():
     with pytest.warns(
-        UserWarning, match=r"frozen at optimizer step 3 while sqrt\(v\) still moved [0-9.]+% \(L1\) over the last 2"
+        UserWarning,
+        match=r"frozen at optimizer step 3 while the tensors' scale of sqrt\(v\) still drifted [0-9.]+% over the last 2",
     ):
         _fit(OneBitAdamStrategy(freeze_step=3, settling_window=2), steps=5)
     with warnings.catch_warnings():
@@ -146,5 +147,5 @@ def test_zero_one_adam_warns_at_its_first_compressed_step():
         match=r"zero_one_adam: the momentum goes out compressed from optimizer step 5 .*larger var_update_scaler",
     ):
         _fit(strategy, steps=6)
-    assert strategy.settling.last is not None and strategy.settling.last > 0.15
+    assert strategy.settling.last is not None and strategy.settling.last > 0.03
     assert math.isfinite(strategy.settling.last)
