@@ -106,7 +106,8 @@ def _fit(strategy, steps=10):
 def test_an_early_freeze_is_warned_of_with_the_figure():
     with pytest.warns(
         UserWarning,
-        match=r"frozen at optimizer step 3 while the tensors' scale of sqrt\(v\) still drifted [0-9.]+% over the last 2",
+        match=r"frozen at optimizer step 3 while the tensors' scale of sqrt\(v\) still drifted [0-9.]+% over the"
+        r" last 2",
     ):
         _fit(OneBitAdamStrategy(freeze_step=3, settling_window=2), steps=5)
     with warnings.catch_warnings():
