@@ -65,7 +65,8 @@ def check_settling_args(threshold: float | None, window: int, max_delay: int | N
 
 
 def variance_roots(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
-    """The bias-corrected ``sqrt(v)`` of each of ``params`` that has Adam state, in order."""
+    """The bias-corrected ``sqrt(v)`` of each of ``params`` that has Adam state, in order (a copy of the
+    whole second moment: ``benchmarks/variance_settling.py`` reads it; the check uses :func:`variance_sums`)."""
     wanted = {id(p) for p in params}
     roots: list[Tensor] = []
     for group in optimizer.param_groups:
@@ -80,11 +81,20 @@ def variance_roots(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -
     return roots
 
 
-def tensor_sums(roots: Sequence[Tensor]) -> Tensor:
-    """Per tensor, the sum of its values (float32, one vector on the tensors' device)."""
-    if not roots:
-        return torch.zeros(0)
-    return torch.stack([r.sum(dtype=torch.float32) for r in roots])
+def variance_sums(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> Tensor:
+    """Per tensor of ``params`` with Adam state, the sum of its bias-corrected ``sqrt(v)`` (float32, one
+    vector on the tensors' device). One tensor's ``sqrt(v)`` exists at a time: no copy of the whole
+    second moment, whose size a large model cannot spare at the freeze."""
+    wanted = {id(p) for p in params}
+    sums: list[Tensor] = []
+    for group in optimizer.param_groups:
+        b2 = group["betas"][1]
+        for p in group["params"]:
+            state = optimizer.state.get(p) if id(p) in wanted else None
+            if state and "exp_avg_sq" in state:
+                correction = 1 / math.sqrt(1 - b2 ** float(state["step"]))
+                sums.append(state["exp_avg_sq"].sqrt().sum(dtype=torch.float32) * correction)
+    return torch.stack(sums) if sums else torch.zeros(0)
 
 
 class VarianceSettling:
@@ -142,7 +152,7 @@ class VarianceSettling:
             self._take(steps, optimizer, params)
 
     def _take(self, steps: int, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> None:
-        self._snapshot = tensor_sums(variance_roots(optimizer, params))
+        self._snapshot = variance_sums(optimizer, params)
         self._taken_at = steps
 
     @torch.no_grad()
@@ -151,7 +161,7 @@ class VarianceSettling:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is None:
             return None
-        now = tensor_sums(variance_roots(optimizer, params))
+        now = variance_sums(optimizer, params)
         if now.shape != snapshot.shape:
             return None
         moved, total = torch.stack([(now - snapshot.to(now.device)).abs().sum(), now.sum()]).tolist()
