@@ -146,11 +146,7 @@ def _dump_stacks(procs: list[subprocess.Popen]) -> None:
     """Ask the ranks still running where they are: SIGABRT, on which Python's fault handler (enabled
     by ``PYTHONFAULTHANDLER``) prints every thread's stack to the rank's log before the process ends."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGABRT)
-            except ProcessLookupError:
-                pass
+        _signal_group(p, signal.SIGABRT)
     deadline = time.monotonic() + 5.0
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -158,11 +154,17 @@ def _dump_stacks(procs: list[subprocess.Popen]) -> None:
 
 def _kill(p: subprocess.Popen) -> None:
     if p.poll() is None:
+        _signal_group(p, signal.SIGKILL)
+        p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group of ``p`` (its own session) while ``p`` runs."""
+    if p.poll() is None:
         try:
-            os.killpg(p.pid, signal.SIGKILL)
+            os.killpg(p.pid, sig)
         except ProcessLookupError:
             pass
-        p.wait()
 
 
 def _tails(logs: list) -> str:
