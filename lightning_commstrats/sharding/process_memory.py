@@ -210,11 +210,16 @@ class ProcessMemory:
         """The phases begun and not ended, outermost first."""
         return [name for name, _ in self._open]
 
+    def _phase_unknown(self, counter: str) -> bool:
+        """Whether the phases' peaks of ``counter`` are not known: the counters are never reset
+        (``phases=False``), or the kernel's peak cannot be reset (``rss``; see :attr:`phase_note`)."""
+        return not self._phases or (counter == "rss" and self.phase_note is not None)
+
     def _keep(self, name: str, peaks: dict[str, int]) -> None:
         kept = self.phase_peaks.setdefault(name, {})
         for counter in self._counters():
-            if (counter == "rss" and self.phase_note is not None) or not self._phases:
-                kept[counter] = None  # the kernel's peak was not reset at the phase's start
+            if self._phase_unknown(counter):
+                kept[counter] = None
                 continue
             value = peaks.get(counter)
             old = kept.get(counter)
@@ -230,11 +235,7 @@ class ProcessMemory:
         for name, open_peaks in self._open:
             kept = phases.setdefault(name, {})
             for counter in self._counters():
-                value = (
-                    None
-                    if (counter == "rss" and self.phase_note is not None) or not self._phases
-                    else open_peaks.get(counter)
-                )
+                value = None if self._phase_unknown(counter) else open_peaks.get(counter)
                 old = kept.get(counter)
                 kept[counter] = value if old is None or value is None else max(old, value)
         out: dict[str, dict[str, Any]] = {}
@@ -248,7 +249,7 @@ class ProcessMemory:
                 "peak": self.peak[counter],
                 "phases": {name: peaks.get(counter) for name, peaks in phases.items()},
             }
-            if (counter == "rss" and self.phase_note is not None) or not self._phases:
+            if self._phase_unknown(counter):
                 out[counter]["note"] = self.phase_note
         return out
 
