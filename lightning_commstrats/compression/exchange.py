@@ -206,22 +206,8 @@ class TensorExchange:
         residual_home: torch.device | None = None,
     ) -> None:
         check_exchange_args(bits, half_dtype, small_tensor_numel)
-        check_codec(codec, bits)
-        check_tiles_args(
-            codec,
-            topk_form,
-            topk_tile,
-            topk_per_chunk,
-            topk_sigmas,
-            names=("codec", "topk_form", "topk_tile", "topk_per_chunk", "topk_sigmas"),
-        )
-        check_sparse_args(
-            codec,
-            topk_tile * topk_tile if topk_form == "published" else topk_chunk,
-            topk_per_chunk,
-            bits,
-            error_feedback_decay,
-            names=("codec", "topk_chunk", "topk_per_chunk", "bits", "error_feedback_decay"),
+        check_codec_settings(
+            codec, bits, topk_chunk, topk_per_chunk, error_feedback_decay, topk_form, topk_tile, topk_sigmas
         )
         if scales not in SCALES:
             raise ValueError(f"scales={scales!r} is not supported; choose one of {SCALES}")
@@ -452,6 +438,41 @@ class GradientCompression:
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
         return self.exchange.state_dict() if self.exchange is not None else {"residuals": {}, "residuals2": {}}
+
+
+def check_codec_settings(
+    codec: str,
+    bits: int,
+    topk_chunk: int,
+    topk_per_chunk: int,
+    error_feedback_decay: float,
+    topk_form: str,
+    topk_tile: int,
+    topk_sigmas: float,
+    *,
+    codec_name: str = "codec",
+    bits_name: str = "bits",
+) -> None:
+    """Raise ``ValueError`` unless the codec and its top-k settings go together (the codec and its
+    bits, the tiles' form, the chunks and error feedback of a sparse codec); ``codec_name`` and
+    ``bits_name`` are the caller's argument names (the periodic schemes' ``pseudo_grad_*``)."""
+    check_codec(codec, bits, name=codec_name, bits_name=bits_name)
+    check_tiles_args(
+        codec,
+        topk_form,
+        topk_tile,
+        topk_per_chunk,
+        topk_sigmas,
+        names=(codec_name, "topk_form", "topk_tile", "topk_per_chunk", "topk_sigmas"),
+    )
+    check_sparse_args(
+        codec,
+        topk_tile * topk_tile if topk_form == "published" else topk_chunk,
+        topk_per_chunk,
+        bits,
+        error_feedback_decay,
+        names=(codec_name, "topk_chunk", "topk_per_chunk", bits_name, "error_feedback_decay"),
+    )
 
 
 def check_exchange_args(bits: int, half_dtype: str, small_tensor_numel: int, name: str = "bits") -> None:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_commstrats.compression.exchange import SCALES, check_exchange_args
-from lightning_commstrats.compression.quantizers import check_codec
-from lightning_commstrats.compression.sparse import check_sparse_args
-from lightning_commstrats.compression.sparse_tiles import check_tiles_args
+from lightning_commstrats.compression.exchange import SCALES, check_codec_settings, check_exchange_args
 from lightning_commstrats.fault_tolerance import FaultTolerance, import_torchft
 from lightning_commstrats.outer import check_outer_state
 
@@ -87,22 +84,17 @@ def check_periodic_settings(
     check_exchange_args(pseudo_grad_bits, half_dtype, small_tensor_numel, name="pseudo_grad_bits")
     if pseudo_grad_scales not in SCALES:
         raise ValueError(f"pseudo_grad_scales={pseudo_grad_scales!r} is not supported; choose one of {SCALES}")
-    check_codec(pseudo_grad_codec, pseudo_grad_bits, name="pseudo_grad_codec", bits_name="pseudo_grad_bits")
-    check_tiles_args(
+    check_codec_settings(
         pseudo_grad_codec,
+        pseudo_grad_bits,
+        topk_chunk,
+        topk_per_chunk,
+        error_feedback_decay,
         topk_form,
         topk_tile,
-        topk_per_chunk,
         topk_sigmas,
-        names=("pseudo_grad_codec", "topk_form", "topk_tile", "topk_per_chunk", "topk_sigmas"),
-    )
-    check_sparse_args(
-        pseudo_grad_codec,
-        topk_tile * topk_tile if topk_form == "published" else topk_chunk,
-        topk_per_chunk,
-        pseudo_grad_bits,
-        error_feedback_decay,
-        names=("pseudo_grad_codec", "topk_chunk", "topk_per_chunk", "pseudo_grad_bits", "error_feedback_decay"),
+        codec_name="pseudo_grad_codec",
+        bits_name="pseudo_grad_bits",
     )
     if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
         raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
