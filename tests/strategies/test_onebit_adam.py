@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import warnings
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
+from one_rank import Optimized, one_rank_trainer
 
 from lightning_commstrats import OneBitAdamStrategy
 from lightning_commstrats.strategies.onebit_adam import FrozenVarianceAdam, refuse_grad_scaler
@@ -36,28 +35,9 @@ def test_bad_settings_fail_at_construction_naming_the_setting(kwargs, named):
         OneBitAdamStrategy(**kwargs)
 
 
-class Optimized(BoringModel):
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
-
-    def configure_optimizers(self):
-        return self.make(self.parameters())
-
-
 def _fit(make, steps=6, **kwargs):
     strategy = OneBitAdamStrategy(**kwargs)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = one_rank_trainer(strategy, steps)
     model = Optimized(make)
     trainer.fit(model)
     return model, strategy

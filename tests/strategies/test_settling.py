@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 import warnings
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
+from one_rank import Optimized, one_rank_trainer
 
 from lightning_commstrats import OneBitAdamStrategy, ZeroOneAdamStrategy
 from lightning_commstrats.strategies.settling import VarianceSettling
@@ -80,26 +79,10 @@ def test_the_copy_travels_in_the_state_so_a_resumed_run_measures_the_same_figure
     assert torch.equal(other._snapshot, s._snapshot) and s._snapshot.shape == (2,)
 
 
-class Optimized(BoringModel):
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.05)
-
-
 def _fit(strategy, steps=10):
     torch.manual_seed(0)
-    model = Optimized()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    trainer.fit(model)
+    model = Optimized(lambda ps: torch.optim.Adam(ps, lr=0.05))
+    one_rank_trainer(strategy, steps).fit(model)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), strategy
 
 

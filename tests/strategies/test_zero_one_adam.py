@@ -8,7 +8,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
+from one_rank import Optimized, one_rank_trainer
 
 from lightning_commstrats import AllReduceStrategy, ZeroOneAdamStrategy
 from lightning_commstrats.strategies.zero_one_adam import ZeroOneAdam
@@ -52,29 +52,6 @@ def test_the_local_interval_doubles_every_scaler_steps_after_the_freeze_up_to_th
     assert ZeroOneAdam(1, local_step_scaler=1, local_step_clipper=2**40).local_interval(10**6) == 2**40
 
 
-class Optimized(BoringModel):
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
-
-    def configure_optimizers(self):
-        return self.make(self.parameters())
-
-
-def _trainer(strategy, steps):
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-
-
 @pytest.mark.parametrize(
     ("make", "why"),
     [
@@ -84,7 +61,7 @@ def _trainer(strategy, steps):
 )
 def test_an_optimizer_it_cannot_continue_is_refused(make, why):
     with pytest.raises(ValueError, match=why):
-        _trainer(ZeroOneAdamStrategy(var_freeze_step=2), 2).fit(Optimized(make))
+        one_rank_trainer(ZeroOneAdamStrategy(var_freeze_step=2), 2).fit(Optimized(make))
 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW])
@@ -98,9 +75,9 @@ def test_while_every_step_updates_the_variance_it_is_torchs_adam(optimizer):
     reference.load_state_dict(ours.state_dict())
     # kappa = 16: the first 16 steps update the variance, every one an Adam step on one rank
     torch.manual_seed(1)  # the same random data for both
-    _trainer(ZeroOneAdamStrategy(var_freeze_step=100), 16).fit(ours)
+    one_rank_trainer(ZeroOneAdamStrategy(var_freeze_step=100), 16).fit(ours)
     torch.manual_seed(1)
-    _trainer(AllReduceStrategy(), 16).fit(reference)  # torch's Adam steps
+    one_rank_trainer(AllReduceStrategy(), 16).fit(reference)  # torch's Adam steps
     for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     s_ours = next(iter(ours.trainer.optimizers[0].state.values()))
@@ -124,7 +101,7 @@ def _watched_run(skip_sync_at: int | None = None):
             moments = torch.cat([s["exp_avg"].reshape(-1) for s in trainer.optimizers[0].state.values()])
             seen.append((trainer.global_step, strategy.adam.open, weights, moments))
 
-    trainer = _trainer(strategy, 12)
+    trainer = one_rank_trainer(strategy, 12)
     trainer.callbacks.append(Watch())
     torch.manual_seed(1)
     trainer.fit(model)
@@ -146,7 +123,7 @@ def test_on_one_rank_a_synchronisation_lands_where_the_local_steps_went():
 
 def test_a_run_that_never_passes_the_freeze_is_warned_of():
     with pytest.warns(UserWarning, match="var_freeze_step=10: it never takes a local step"):
-        _trainer(ZeroOneAdamStrategy(var_freeze_step=10), 6).fit(Optimized(lambda ps: torch.optim.Adam(ps)))
+        one_rank_trainer(ZeroOneAdamStrategy(var_freeze_step=10), 6).fit(Optimized(lambda ps: torch.optim.Adam(ps)))
 
 
 def test_the_state_saves_and_loads():
