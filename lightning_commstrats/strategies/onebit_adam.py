@@ -165,7 +165,7 @@ class FrozenVarianceAdam:
         frozen: Sequence[int],
         group: dict[str, Any],
     ) -> list[tuple[str, int, int, int]]:
-        """At the freeze: how many values of the tensors frozen now fall under the floor."""
+        """At the freeze: per tensor frozen now, its values under the floor and those that never had a gradient."""
         if self.floor_warning is None:
             return []
         roots = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])

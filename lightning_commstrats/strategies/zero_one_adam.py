@@ -251,7 +251,7 @@ class ZeroOneAdam:
     def report_floor(
         self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], names: Sequence[str], scheme: str
     ) -> None:
-        """After ``var_freeze_step``: warn when more than ``floor_warning`` of the values froze under the floor."""
+        """After ``var_freeze_step``: warn when more than ``floor_warning`` of the values never had a gradient."""
         if self.floor_warning is None:
             return
         rows: list[tuple[str, int, int, int]] = []
