@@ -51,18 +51,24 @@ its resident set, not its tensors. A language model of residual MLP blocks (tied
 words, ``blocks`` x ``Linear(d, 4d)``, GELU, ``Linear(4d, d)`` with a skip, plain SGD without momentum:
 an optimizer with no state) trains ``--os-steps`` steps (4) with ``allreduce`` on ``--os-ranks`` ranks
 (2), unsharded and sharded in one group (``shard="fsdp"``), batches of 4 sequences of 64 tokens; every rank
-builds the whole model before it is sharded (as table 2's do). Each of the four runs (two layouts, two
-allocator settings) is a launch of its own, so no run inherits another's heap. Per rank, beside the
+builds the whole model before it is sharded (as table 2's do). Each run (a layout under an
+allocator setting) is a launch of its own, so no run inherits another's heap. Per rank, beside the
 tensor accounting (``memory_stats()``, the largest total over the ends of all steps), the kernel's peak
 resident set (``VmHWM``) above the resident set when the rank began to build the model, measured with
 :class:`~lightning_commstrats.sharding.process_memory.ProcessMemory` over the run and within phases:
 ``build`` (the model built, sharded and its optimizer made, to the start of training), ``training``
 (to the end of fit) and ``sync`` (each step's gradient exchange, wrapped in a subclass of the
-strategy). The allocator settings: glibc's defaults, and its mmap threshold fixed at 128 KiB at the
-rank's start by :func:`~lightning_commstrats.sharding.process_memory.fix_mmap_threshold` (as
-``MALLOC_MMAP_THRESHOLD_=131072`` in the environment would). "Apart" is the run's peak above the start
-over the accounted tensors. The cost of the setting: the fit's seconds (noisy on shared cores) and its
-minor page faults (``getrusage``: every block the allocator maps afresh is faulted in page by page).
+strategy). The allocator settings (``--os-allocators``; the first two by default): glibc's defaults; its
+mmap threshold fixed at 128 KiB at the rank's start by
+:func:`~lightning_commstrats.sharding.process_memory.fix_mmap_threshold` (as
+``MALLOC_MMAP_THRESHOLD_=131072`` in the environment would); jemalloc and tcmalloc (gperftools' minimal
+library) preloaded into the ranks (``LD_PRELOAD``; ``--jemalloc`` / ``--tcmalloc`` name the library where
+the linker does not find it; each rank checks its memory map that the preload took), each with its
+defaults and with its own setting for handing freed memory back at once (jemalloc's
+``MALLOC_CONF=dirty_decay_ms:0,muzzy_decay_ms:0``, tcmalloc's ``TCMALLOC_AGGRESSIVE_DECOMMIT=true``).
+"Apart" is the run's peak above the start over the accounted tensors. The cost of a setting: the fit's
+seconds (noisy on shared cores) and its minor page faults (``getrusage``: every block the allocator maps
+afresh is faulted in page by page).
 Sizes (``--os-size``): ``small`` (d 512, 4 blocks, 12.6M parameters: about a
 minute on two ranks on two shared cores, two on four ranks), ``big`` (d 1024, 8 blocks, 75.5M
 parameters). Results go to ``--out``'s ``os-<size>/`` (tables 1 and 2's files stay).
@@ -226,6 +232,11 @@ def rank_main(spec_json: str, out: str) -> None:
     rank = int(os.environ["LOCAL_RANK"])
     torch.set_num_threads(1)
     spec = json.loads(spec_json)
+    if spec.get("preload"):
+        from lightning_commstrats.sharding import host_allocator
+
+        if host_allocator() != spec["preload"]:
+            raise RuntimeError(f"{spec['preload']} was to be preloaded, the process runs on {host_allocator()}")
     if spec.get("fix_mmap_threshold"):  # first, before the runs allocate: it holds for the process
         from lightning_commstrats.sharding import fix_mmap_threshold
 
@@ -254,7 +265,8 @@ def launch(
     """Run ``runs`` one after the other on ``world`` ranks (one process each, started as ``torchrun``
     would); every rank's results, in rank order. A rank that fails, or a launch that outlives
     ``timeout`` seconds, stops every rank and raises with the ranks' output. ``spec``: settings of
-    the ranks' processes (``fix_mmap_threshold=True``)."""
+    the ranks' processes: ``fix_mmap_threshold=True``, ``preload`` (an allocator's name; its library's
+    path in ``library``) and ``env`` (variables of the ranks' environment)."""
     out = Path(tempfile.mkdtemp(prefix="commstrats-memory-"))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
     env.update(
@@ -266,6 +278,9 @@ def launch(
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
+    env.update(spec.pop("env", None) or {})
+    if spec.get("library"):
+        env["LD_PRELOAD"] = os.pathsep.join(filter(None, [spec.pop("library"), env.get("LD_PRELOAD")]))
     args = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps({"runs": runs, **spec}), str(out)]
     logs = [open(out / f"log{r}.txt", "w+") for r in range(world)]
     procs = [
@@ -482,7 +497,30 @@ def format_budget(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- table 3: the tensors against the kernel's count
 
 OS_SIZES: dict[str, tuple[int, int]] = {"small": (512, 4), "big": (1024, 8)}  # d_model, residual MLP blocks
-OS_ALLOCATORS = ("glibc defaults", "mmap threshold fixed")
+# The host allocators table 3 compares: glibc as it starts and with its threshold fixed, and the two
+# allocators people preload instead (LD_PRELOAD, found by ``--jemalloc`` / ``--tcmalloc`` or the linker's
+# search), each with its defaults and with its own setting for giving freed memory back at once.
+OS_ALLOCATORS: dict[str, dict[str, Any]] = {
+    "glibc defaults": {},
+    "mmap threshold fixed": {"fix_mmap_threshold": True},
+    "jemalloc": {"preload": "jemalloc"},
+    "jemalloc, no decay": {"preload": "jemalloc", "env": {"MALLOC_CONF": "dirty_decay_ms:0,muzzy_decay_ms:0"}},
+    "tcmalloc": {"preload": "tcmalloc"},
+    "tcmalloc, aggressive decommit": {"preload": "tcmalloc", "env": {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true"}},
+}
+OS_LIBRARIES = {"jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}  # names the linker's search takes
+
+
+def find_allocator(name: str, given: str | None) -> str | None:
+    """The path of allocator ``name``'s shared library: ``given`` (checked to exist), else the
+    linker's own search (``ctypes.util.find_library``); None when it is not installed."""
+    import ctypes.util
+
+    if given is not None:
+        if not Path(given).is_file():
+            raise SystemExit(f"--{name} must name the allocator's shared library, got {given!r} (no such file)")
+        return str(Path(given).resolve())
+    return ctypes.util.find_library(OS_LIBRARIES[name])
 
 
 def mlp_lm(vocab: int, dim: int, blocks: int, lr: float = 0.05) -> Any:
@@ -592,12 +630,27 @@ def run_os(run: dict[str, Any], rank: int) -> dict[str, Any]:
     }
 
 
-def measure_os(size: str, ranks: int, steps: int, log: Any = print) -> list[dict[str, Any]]:
-    """Table 3: one launch per layout and allocator setting; a row per rank."""
+def measure_os(
+    size: str,
+    ranks: int,
+    steps: int,
+    allocators: list[str] | None = None,
+    libraries: dict[str, str | None] | None = None,
+    log: Any = print,
+) -> list[dict[str, Any]]:
+    """Table 3: one launch per layout and allocator setting (``allocators``, names of
+    :data:`OS_ALLOCATORS`: the two glibc settings by default); a row per rank. ``libraries``: the
+    preloaded allocators' library paths by name."""
     dim, blocks = OS_SIZES[size]
     layouts = {"unsharded": {}, f"fsdp 1x{ranks}": {"shard": "fsdp", "group_size": ranks}}
     rows = []
-    for allocator in OS_ALLOCATORS:
+    for allocator in allocators or list(OS_ALLOCATORS)[:2]:
+        setting = dict(OS_ALLOCATORS[allocator])
+        if setting.get("preload"):
+            library = (libraries or {}).get(setting["preload"])
+            if library is None:
+                raise ValueError(f"allocator {allocator!r} needs {setting['preload']}'s library: none given or found")
+            setting["library"] = library
         for layout, kwargs in layouts.items():
             run = {
                 "name": f"os|{layout}",
@@ -609,8 +662,7 @@ def measure_os(size: str, ranks: int, steps: int, log: Any = print) -> list[dict
                 "world": ranks,
             }
             start = time.perf_counter()
-            fixed = allocator == "mmap threshold fixed"
-            per_rank = launch([run], world=ranks, fix_mmap_threshold=fixed)
+            per_rank = launch([run], world=ranks, **setting)
             log(f"{layout}, {allocator}: {ranks} ranks in {time.perf_counter() - start:.0f}s")
             for rank, results in enumerate(per_rank):
                 r = results[run["name"]]
@@ -664,16 +716,17 @@ def format_os(rows: list[dict[str, Any]], size: str) -> str:
         )
     notes = {r["note"] for r in rows if r["note"]}
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    allocators = list(dict.fromkeys(r["allocator"] for r in rows))
     lines += [
         "",
         "The largest rank, run peak above the start (x the fp32 model; training phase alone):",
         "",
-        "| run | " + " | ".join(OS_ALLOCATORS) + " |",
-        "|---|" + "--:|" * len(OS_ALLOCATORS),
+        "| run | " + " | ".join(allocators) + " |",
+        "|---|" + "--:|" * len(allocators),
     ]
     for layout in layouts:
         cells = []
-        for allocator in OS_ALLOCATORS:
+        for allocator in allocators:
             mine = [r for r in rows if r["layout"] == layout and r["allocator"] == allocator]
             top = max(mine, key=lambda r: r["peak"])
             train = max((r["phases"].get("training") or 0) for r in mine)
@@ -705,6 +758,15 @@ def main() -> None:
     parser.add_argument("--os-size", default="small", choices=list(OS_SIZES), help="table 3's model (big: 75.5M)")
     parser.add_argument("--os-ranks", type=int, default=2, help="table 3's ranks (one group when sharded)")
     parser.add_argument("--os-steps", type=int, default=4, help="table 3's optimizer steps per run")
+    parser.add_argument(
+        "--os-allocators",
+        nargs="*",
+        default=list(OS_ALLOCATORS)[:2],
+        choices=list(OS_ALLOCATORS),
+        help="table 3's host allocator settings (jemalloc and tcmalloc are preloaded into the ranks)",
+    )
+    parser.add_argument("--jemalloc", help="jemalloc's shared library (default: the linker's search)")
+    parser.add_argument("--tcmalloc", help="tcmalloc's (minimal) shared library (default: the linker's search)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory"))
     parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -716,7 +778,13 @@ def main() -> None:
         if args.out == parser.get_default("out"):
             args.out = str(Path(args.out) / "quick")
     if args.os:
-        main_os(args.os_size, args.os_ranks, args.os_steps, args.out, args.out == parser.get_default("out"))
+        libraries = {name: find_allocator(name, getattr(args, name)) for name in OS_LIBRARIES}
+        for allocator in args.os_allocators:
+            name = OS_ALLOCATORS[allocator].get("preload")
+            if name and libraries[name] is None:
+                parser.error(f"--os-allocators {allocator!r}: {name} is not installed; give its library with --{name}")
+        default_out = args.out == parser.get_default("out")
+        main_os(args.os_size, args.os_ranks, args.os_steps, args.out, default_out, args.os_allocators, libraries)
         return
     start = time.perf_counter()
     rows = [] if args.no_table else measure_table(args.sizes, args.schemes, args.layouts, args.steps)
@@ -735,11 +803,19 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"rows": rows, "budget": budget, "wall_seconds": wall}, indent=1))
 
 
-def main_os(size: str, ranks: int, steps: int, out_dir: str, default_out: bool) -> None:
+def main_os(
+    size: str,
+    ranks: int,
+    steps: int,
+    out_dir: str,
+    default_out: bool,
+    allocators: list[str] | None = None,
+    libraries: dict[str, str | None] | None = None,
+) -> None:
     if ranks < 2 or steps < 1:
         raise SystemExit(f"--os-ranks must be at least 2 and --os-steps at least 1, got {ranks} and {steps}")
     start = time.perf_counter()
-    rows = measure_os(size, ranks, steps)
+    rows = measure_os(size, ranks, steps, allocators, libraries)
     wall = time.perf_counter() - start
     text = format_os(rows, size) + f"\n\nWall time: {wall:.0f}s."
     print(text)

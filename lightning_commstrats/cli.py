@@ -76,6 +76,7 @@ from lightning_commstrats._registry import is_registered_strategy, strategy_clas
 from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.precision import LayeredMixedPrecision
+from lightning_commstrats.sharding import fix_mmap_threshold
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # A --config value that could name a file; anything else (inline YAML, a URL) goes to jsonargparse as it is.
@@ -380,6 +381,15 @@ class LMCLI(LightningCLI):
             parser.error(unknown_strategy_message(STRATEGY, strategy))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--fix_mmap_threshold",
+            type=bool,
+            default=False,
+            help="Fix glibc's mmap threshold at 128 KiB in every rank before the model is built, so that"
+            " memory freed on the host goes back to the system and the process's peak follows its live"
+            " tensors (lightning_commstrats.sharding.fix_mmap_threshold; docs: sharding, what the process"
+            " holds). It trades time for memory. Nothing is done where malloc is not glibc's.",
+        )
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.order", "model.order")
         parser.link_arguments("data.seq_len", "model.max_seq_len")
@@ -390,6 +400,9 @@ class LMCLI(LightningCLI):
             check_model_and_data(cfg.model.arch, cfg.data.mode, cfg.model.num_experts)
         except ValueError as err:
             self._active_parser().error(str(err), err)
+        if cfg.get("fix_mmap_threshold"):  # in every rank's process (each parses its command line), before the build
+            applied, why = fix_mmap_threshold()
+            rank_zero_info(f"[memory] {why}" if applied else f"[memory] mmap threshold not fixed: {why}")
 
     def instantiate_classes(self) -> None:
         # A value that a constructor refuses (the package's, Lightning's) is a usage error of one line

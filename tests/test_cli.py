@@ -1,5 +1,6 @@
 """The recipe CLI's surface: packaged configs found by name, plain help text, what the wheel ships."""
 
+import functools
 import importlib.resources
 import shutil
 import subprocess
@@ -196,3 +197,25 @@ def test_the_wheel_ships_the_configs_py_typed_and_the_licence(tmp_path):
         assert archive.read(licence).startswith(b"Copyright 2026 The lightning-commstrats developers")
         (metadata,) = (n for n in names if n.endswith(".dist-info/METADATA"))
         assert "License-Expression: Apache-2.0" in archive.read(metadata).decode()
+
+
+def test_fix_mmap_threshold_is_applied_before_the_model_is_built_and_only_when_asked(capsys, monkeypatch):
+    import lightning_commstrats.cli as cli_module
+    from lightning_commstrats.models import LanguageModel
+
+    events = []
+    monkeypatch.setattr(cli_module, "fix_mmap_threshold", lambda: events.append("fixed") or (True, "fixed here"))
+    built = LanguageModel.__init__
+
+    @functools.wraps(built)  # the CLI reads the model's settings from this signature
+    def build(self, *args, **kwargs):
+        events.append("model built")
+        built(self, *args, **kwargs)
+
+    monkeypatch.setattr(LanguageModel, "__init__", build)
+    assert _print_config(capsys, "--config", "lstm_tiny")["fix_mmap_threshold"] is False
+    main(["fit", "--config", "lstm_tiny", "--trainer.max_steps=1"])
+    assert events == ["model built"]
+    events.clear()
+    main(["fit", "--config", "lstm_tiny", "--trainer.max_steps=1", "--fix_mmap_threshold=true"])
+    assert events == ["fixed", "model built"]

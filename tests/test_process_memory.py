@@ -162,8 +162,27 @@ def test_fix_mmap_threshold_refuses_a_bad_threshold_and_does_nothing_without_gli
         raise ValueError(name)
 
     monkeypatch.setattr(pm.os, "confstr", no_glibc)
+    monkeypatch.setattr(pm, "_maps", lambda: "")
     applied, why = fix_mmap_threshold()
-    assert not applied and why.startswith("not glibc")
+    assert not applied and "unknown" in why and pm.host_allocator() == "unknown"
+
+
+@linux_only
+def test_host_allocator_reads_the_memory_map_and_the_threshold_is_left_alone_under_a_preloaded_one(monkeypatch):
+    if not _glibc():
+        pytest.skip("not glibc")
+    assert pm.host_allocator() == "glibc"  # this test process: glibc's malloc (nothing preloaded here)
+    called = []
+    monkeypatch.setattr(pm.ctypes, "CDLL", lambda *a: called.append(a))
+    for name, line in (
+        ("jemalloc", "7f00 r-xp 00000000 fd:01 42 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
+        ("tcmalloc", "7f00 r-xp 00000000 fd:01 42 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10"),
+    ):
+        monkeypatch.setattr(pm, "_maps", lambda line=line: "55aa r-xp 00000000 fd:01 7 /usr/bin/python3\n" + line)
+        assert pm.host_allocator() == name
+        applied, why = fix_mmap_threshold()
+        assert not applied and f"malloc is {name}'s" in why
+    assert called == []  # glibc's mallopt never called: it would set an allocator that is not in use
 
 
 # A fresh process frees one 16 MiB block (glibc then raises its mmap threshold to 16 MiB), fills 256 MiB

@@ -254,6 +254,35 @@ class ProcessMemory:
         return out
 
 
+# The allocators people preload in glibc's place, by the stem of their shared library's name.
+PRELOADED_ALLOCATORS = {"jemalloc": "libjemalloc.so", "tcmalloc": "libtcmalloc"}
+
+
+def _maps() -> str:
+    """This process's memory map (``/proc/self/maps``), or ``""`` where there is none."""
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def host_allocator() -> str:
+    """The allocator this process's ``malloc`` is: ``"jemalloc"`` or ``"tcmalloc"`` when one is mapped
+    into the process (preloaded with ``LD_PRELOAD``, or linked), else ``"glibc"`` where the C library is
+    glibc, else ``"unknown"``. Read from ``/proc/self/maps`` (a preload that failed leaves glibc's
+    ``malloc`` silently in place: this says which one runs)."""
+    maps = _maps()
+    for name, stem in PRELOADED_ALLOCATORS.items():
+        if stem in maps:
+            return name
+    try:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):
+        version = None
+    return "glibc" if version and version.startswith("glibc") else "unknown"
+
+
 def fix_mmap_threshold(threshold: int = DEFAULT_MMAP_THRESHOLD, *, trim: bool = True) -> tuple[bool, str]:
     """Fix glibc's mmap threshold in this running process, so that freed blocks above ``threshold``
     bytes go back to the system and the resident set follows the live tensors (see the module
@@ -269,16 +298,15 @@ def fix_mmap_threshold(threshold: int = DEFAULT_MMAP_THRESHOLD, *, trim: bool = 
         trim: also hand back at once what the heap already holds free (``malloc_trim(0)``).
 
     Returns:
-        ``(applied, why)``: False with the reason on a system without glibc (nothing done there).
+        ``(applied, why)``: False with the reason where ``malloc`` is not glibc's (another C library, or
+        jemalloc or tcmalloc preloaded: :func:`host_allocator`); nothing is done there.
     """
     if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold <= 0:
         raise ValueError(f"threshold must be a positive number of bytes, got {threshold!r}")
-    try:
-        version = os.confstr("CS_GNU_LIBC_VERSION")
-    except (AttributeError, ValueError, OSError):
-        version = None
-    if not version or not version.startswith("glibc"):
-        return False, "not glibc: its mmap threshold does not apply (jemalloc or tcmalloc have their own settings)"
+    allocator = host_allocator()
+    if allocator != "glibc":
+        return False, f"malloc is {allocator}'s, not glibc's: glibc's mmap threshold does not apply (see its settings)"
+    version = os.confstr("CS_GNU_LIBC_VERSION")
     libc = ctypes.CDLL(None)
     if libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
         return False, f"{version} refused mallopt(M_MMAP_THRESHOLD, {threshold})"
