@@ -25,6 +25,11 @@ moves, as Lightning's own sharded strategies and torchtitan do:
 
    A module with meta tensors and neither hook is refused before anything is allocated
    (:func:`check_initialisable`), naming it: its weights would be whatever the allocator left.
+   And an ``init_weights()`` may miss what its subtree holds (an ``apply`` over the ``Linear`` and
+   ``Embedding`` modules leaves a rotary cache built on meta untouched): every floating-point tensor
+   given memory here is first filled with NaN, and the names of those still holding a NaN after the
+   initialisers ran are returned (:func:`materialize`), for the caller to refuse on every rank.
+   Integer and boolean tensors cannot be marked so: nothing checks them.
 
 Random initialisers on sharded tensors draw from each rank's own generator; on CPU torch gives every
 rank of a group the same stream, so every shard would repeat the first. :func:`materialize` draws
@@ -132,22 +137,34 @@ def _allocate_plain(root: nn.Module, device: torch.device) -> None:
                 table[name] = new[id(t)]
 
 
-def materialize(root: nn.Module, device: torch.device, index: int = 0) -> list[str]:
+def _named_tensors(root: nn.Module) -> dict[str, Tensor]:
+    """``root``'s parameters and buffers by name (a shared tensor under its first name), local shards."""
+    return {n: local(t) for n, t in (*root.named_parameters(), *root.named_buffers()) if t is not None}
+
+
+def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[list[str], list[str]]:
     """Give ``root``'s meta tensors memory on ``device`` (this rank's local shards only) and initialise
     them (see the module docstring); ``index`` is this rank's place in its group, which offsets the
-    seed of its draws. Returns the names of the initialisers called, in order."""
+    seed of its draws. Returns ``(called, unwritten)``: the names of the initialisers called, in order,
+    and of the floating-point tensors no initialiser wrote (still NaN in this rank's shard: a rank whose
+    shard of a tensor is empty cannot see it, so the caller agrees on them across ranks)."""
     own, resets, missing = _plan(root)
     if missing:
         check_initialisable(root)
+    built_empty = [n for n, t in _named_tensors(root).items() if t.is_meta]
 
     if any(is_dtensor(p) for p in root.parameters()):
         # FSDP2's own _apply re-registers the sharded parameters afterwards
         root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     else:
         _allocate_plain(root, device)
+    marked = [n for n, t in _named_tensors(root).items() if n in built_empty and (t.is_floating_point() or t.is_complex())]
     devices = [device] if device.type == "cuda" else []
     called = []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
+        tensors = _named_tensors(root)
+        for name in marked:
+            tensors[name].fill_(float("nan"))  # what no initialiser writes stays NaN, and is found below
         seed = (torch.initial_seed() + index) % (1 << 63)
         torch.manual_seed(seed)
         for name, module in own:
@@ -156,7 +173,24 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> list[s
         for name, module in reversed(resets):  # inner before outer, and a tied weight keeps its first holder's
             module.reset_parameters()  # type: ignore[operator]
             called.append(f"{name}.reset_parameters")
-    still = [n for n, t in (*root.named_parameters(), *root.named_buffers()) if local(t).is_meta]
+    tensors = _named_tensors(root)
+    still = [n for n, t in tensors.items() if t.is_meta]
     if still:
         raise RuntimeError(f"materialising the model left {still[:4]} on the meta device")
-    return called
+    # an initialiser may have replaced a tensor rather than filled it: the tensors held now are checked,
+    # all at once (one device-to-host copy on CUDA, not one per tensor)
+    present = [n for n in marked if n in tensors]
+    flags = [torch.isnan(tensors[n]).any() for n in present]
+    unwritten = [n for n, bad in zip(present, torch.stack(flags).tolist() if flags else []) if bad]
+    return called, unwritten
+
+
+def unwritten_error(names: list[str], called: list[str]) -> ValueError:
+    """The refusal of a model whose initialisers left ``names`` (built empty) unwritten."""
+    return ValueError(
+        f"the model was built empty (on the meta device) and after its initialisers ({', '.join(called[:4]) or 'none'})"
+        f" {len(names)} tensor(s) still hold no value: {', '.join(names[:6])}. An {INIT_HOOK}() covers everything"
+        f" inside its module and must initialise these too (a rotary cache: recompute it; LitGPT's GPT does in"
+        f" its reset_parameters()), or build them for real (Trainer.init_module(empty_init=True) builds buffers"
+        " for real and only the parameters on meta)"
+    )

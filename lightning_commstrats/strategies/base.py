@@ -62,7 +62,13 @@ from lightning_commstrats.comm import (
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
 from lightning_commstrats.sharding import ProcessMemory, Sharding, check_shard, local, memory_by_kind, tensors_in
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
-from lightning_commstrats.sharding.materialize import check_initialisable, has_meta, materialize, parameters_on_meta
+from lightning_commstrats.sharding.materialize import (
+    check_initialisable,
+    has_meta,
+    materialize,
+    parameters_on_meta,
+    unwritten_error,
+)
 from lightning_commstrats.strategies.params import ParamSet
 from lightning_commstrats.strategies.reducer import BUFFERS, GRADIENTS, Reducer
 from lightning_commstrats.strategies.state import STATE_KEY, StateStore, log_here
@@ -548,7 +554,10 @@ class CommStrategy(RankDevices, ParallelStrategy):
             self.sharding.shard_module(module, dtypes, ignored=self.params_kept_whole())
         if empty:
             index = self.sharding.index if self.sharding is not None else 0
-            called = materialize(module, self.root_device, index)
+            called, unwritten = materialize(module, self.root_device, index)
+            unwritten = self.agree_on_names(unwritten)  # a rank whose shard is empty sees nothing
+            if unwritten:
+                raise unwritten_error(unwritten, called)
             log_rank_zero(log, logging.INFO, "built on the meta device, initialised by %s", _some_names(called))
 
     def synchronize_initial_weights(self) -> None:
@@ -1054,7 +1063,19 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def teardown(self) -> None:
         self.stop_agreement.detach()
         self.release_resources()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not has_meta(module):
+            super().teardown()
+            return
+        # A model refused before it was materialised still holds meta tensors, and Lightning's teardown
+        # moves the module to the CPU, which cannot copy out of meta: that error would replace the
+        # refusal. The tensors with memory go to the CPU here, the meta ones stay.
+        move_to_device(module, torch.device("cpu"))
+        module.cpu = lambda: module  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     def release_resources(self) -> None:
         """Stop what the scheme started beside its communicator (an RPC agent...) at the end of a run;
