@@ -16,11 +16,18 @@ from lightning_commstrats.compression.quantizers import ColumnCodec
 from lightning_commstrats.strategies.reducer import Reducer
 
 CHOICES = r"choose one of \('device', 'host'\)"
+# the schemes whose compressed exchange keeps error-feedback residuals: each takes residuals= for all of them
+GRADIENT_SCHEMES = {
+    "onebit_sgd": lc.OneBitSGDStrategy,
+    "onebit_adam": lc.OneBitAdamStrategy,
+    "zero_one_adam": lc.ZeroOneAdamStrategy,
+}
 
 
 def test_a_bad_residuals_setting_is_refused_at_construction_naming_the_argument():
-    with pytest.raises(ValueError, match=rf"residuals='gpu' is not supported; {CHOICES}"):
-        lc.OneBitSGDStrategy(residuals="gpu")
+    for scheme in GRADIENT_SCHEMES.values():
+        with pytest.raises(ValueError, match=rf"residuals='gpu' is not supported; {CHOICES}"):
+            scheme(residuals="gpu")
     with pytest.raises(ValueError, match=rf"residuals='cuda' is not supported; {CHOICES}"):
         GradientCompression(1, residuals="cuda")
     with pytest.raises(ValueError, match=rf"residuals=None is not supported; {CHOICES}"):
@@ -29,14 +36,18 @@ def test_a_bad_residuals_setting_is_refused_at_construction_naming_the_argument(
         SlowHop(LocalCommunicator(), 4, residuals="pinned")
 
 
-def test_host_residuals_reach_every_holder_of_a_gradient_scheme():
-    strategy = lc.OneBitSGDStrategy(num_quantization_bits=1, residuals="host")
+@pytest.mark.parametrize("scheme", GRADIENT_SCHEMES)
+def test_host_residuals_reach_every_holder_of_a_gradient_scheme(scheme):
+    make = GRADIENT_SCHEMES[scheme]
+    strategy = make(num_quantization_bits=1, residuals="host")
     assert strategy.residuals == "host" and strategy.reducer.residuals == "host"
     assert strategy.reducer.home == torch.device("cpu")
+    # the 1-bit exchange's (of the gradient, or of Adam's momentum) as well as the slow hop's
     exchange = strategy.compression.bind(LocalCommunicator(), 25.0)
     assert exchange.quantized.home == torch.device("cpu")
-    on_device = lc.OneBitSGDStrategy(num_quantization_bits=1).compression.bind(LocalCommunicator(), 25.0)
-    assert on_device.quantized.home is None
+    on_device = make(num_quantization_bits=1)
+    assert on_device.residuals == "device" and on_device.reducer.home is None
+    assert on_device.compression.bind(LocalCommunicator(), 25.0).quantized.home is None
     # the reducer sets its hop's at connect, and after
     hop = SlowHop(LocalCommunicator(), 4, hold=True)
     reducer = Reducer(25.0, residuals="host")

@@ -402,6 +402,10 @@ class OneBitAdamStrategy(AllReduceStrategy):
             ``settling_warning``, at most this many steps in all (0: never; the warning instead).
         small_tensor_numel: tensors this small (or 1-D) carry their momentum in fp32.
         half_dtype: the 16-bit format.
+        residuals: where the error-feedback residuals (the compressed exchange's, both stages, and with
+            ``slow_hop_bits`` the slow hop's) wait between steps: ``"device"`` (default) or ``"host"``,
+            pinned on CUDA, as :class:`~lightning_commstrats.strategies.onebit_sgd.OneBitSGDStrategy`'s;
+            the results are bit for bit those of ``"device"``.
         bucket_cap_mb, backend, timeout, start_method: as :class:`AllReduceStrategy`.
         **kwargs: as :class:`AllReduceStrategy`.
 
@@ -431,15 +435,23 @@ class OneBitAdamStrategy(AllReduceStrategy):
         backend: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: str = "popen",
+        residuals: str = "device",
         **kwargs: Any,
     ) -> None:
         adam = FrozenVarianceAdam(
             freeze_step, bias_correction, variance_floor, compress_after_preconditioner, floor_warning
         )
         settling = VarianceSettling(freeze_step, settling_warning, settling_window, delay_freeze)
-        compression = GradientCompression(num_quantization_bits, 0, "steps", small_tensor_numel, half_dtype)
+        compression = GradientCompression(
+            num_quantization_bits, 0, "steps", small_tensor_numel, half_dtype, residuals=residuals
+        )
         super().__init__(
-            bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
+            bucket_cap_mb=bucket_cap_mb,
+            backend=backend,
+            timeout=timeout,
+            start_method=start_method,
+            residuals=residuals,  # the slow hop's (the reducer's, connected at setup)
+            **kwargs,
         )
         self.adam = adam
         self.settling = settling
@@ -461,6 +473,11 @@ class OneBitAdamStrategy(AllReduceStrategy):
             agree = (lambda flag: self.comm.broadcast_object(flag, 0)) if self.world_size > 1 else None
             return settling.decide(steps, optimizer, trainable_params(optimizer), agree)
         return True
+
+    @property
+    def residuals(self) -> str:
+        """Where the error-feedback residuals wait between steps: ``"device"`` or ``"host"``."""
+        return self.compression.residuals
 
     @property
     def num_quantization_bits(self) -> int:

@@ -518,6 +518,10 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
         settling_window: the optimizer steps the settling figure spans (10).
         small_tensor_numel: tensors this small (or 1-D) carry ``u`` in fp32.
         half_dtype: the 16-bit format.
+        residuals: where the error-feedback residuals (the compressed exchange's, both stages, and with
+            ``slow_hop_bits`` the slow hop's) wait between steps: ``"device"`` (default) or ``"host"``,
+            pinned on CUDA, as :class:`~lightning_commstrats.strategies.onebit_sgd.OneBitSGDStrategy`'s;
+            the results are bit for bit those of ``"device"``.
         bucket_cap_mb, backend, timeout, start_method: as :class:`AllReduceStrategy`.
         **kwargs: as :class:`AllReduceStrategy`.
 
@@ -549,6 +553,7 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
         backend: str = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         start_method: str = "popen",
+        residuals: str = "device",
         **kwargs: Any,
     ) -> None:
         adam = ZeroOneAdam(
@@ -566,9 +571,16 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
         settling = VarianceSettling(
             first - 1, settling_warning, settling_window, scheme="zero_one_adam", setting=setting
         )
-        compression = GradientCompression(num_quantization_bits, 0, "steps", small_tensor_numel, half_dtype)
+        compression = GradientCompression(
+            num_quantization_bits, 0, "steps", small_tensor_numel, half_dtype, residuals=residuals
+        )
         super().__init__(
-            bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
+            bucket_cap_mb=bucket_cap_mb,
+            backend=backend,
+            timeout=timeout,
+            start_method=start_method,
+            residuals=residuals,  # the slow hop's (the reducer's, connected at setup)
+            **kwargs,
         )
         self.adam = adam
         self.settling = settling
@@ -577,6 +589,11 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
     @property
     def var_freeze_step(self) -> int:
         return self.adam.var_freeze_step
+
+    @property
+    def residuals(self) -> str:
+        """Where the error-feedback residuals wait between steps: ``"device"`` or ``"host"``."""
+        return self.compression.residuals
 
     @property
     def num_quantization_bits(self) -> int:
