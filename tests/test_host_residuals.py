@@ -57,6 +57,21 @@ def test_host_residuals_reach_every_holder_of_a_gradient_scheme(scheme):
     assert hop.residuals == "device"
 
 
+@pytest.mark.parametrize("make", [lc.SampledVocabStrategy, lc.ExpertParallelStrategy], ids=["sampled_vocab", "expert_parallel"])
+def test_the_other_compressed_exchanges_keep_their_residuals_where_residuals_says(make):
+    for where, home in (("host", torch.device("cpu")), ("device", None)):
+        strategy = make(num_quantization_bits=1, residuals=where)
+        assert strategy.reducer.residuals == where
+        assert strategy.compression.bind(LocalCommunicator(), 25.0).quantized.home == home
+
+
+def test_a_periodic_scheme_refuses_residuals_apart_from_its_outer_state():
+    with pytest.raises(ValueError, match=r"residuals='host' with outer_state='device'.*set outer_state"):
+        lc.DiLoCoStrategy(sync_period=2, outer_state="device", residuals="host")
+    assert lc.DiLoCoStrategy(sync_period=2, outer_state="host", residuals="host").reducer.residuals == "host"
+    assert lc.DiLoCoStrategy(sync_period=2, outer_state="device").reducer.residuals == "device"
+
+
 def test_on_a_cpu_run_the_host_is_the_device_and_nothing_is_copied():
     parking = Parking(torch.device("cpu"))
     t = torch.arange(6.0)

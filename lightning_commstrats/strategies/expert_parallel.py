@@ -117,7 +117,12 @@ class ExpertParallelStrategy(AllReduceStrategy):
         if inner not in INNER:
             raise ValueError(f"inner={inner!r} is not supported; choose one of {INNER}")
         gradient_compression = GradientCompression(
-            num_quantization_bits, distributed_after, distributed_after_unit, small_tensor_numel, half_dtype
+            num_quantization_bits,
+            distributed_after,
+            distributed_after_unit,
+            small_tensor_numel,
+            half_dtype,
+            residuals=kwargs.get("residuals", "device"),  # the compressed exchange's, as the slow hop's
         )
         super().__init__(**kwargs)
         self.compression = gradient_compression

@@ -238,6 +238,11 @@ class PeriodicSyncStrategy(CommStrategy):
             expert_parallel=expert_parallel,
             shard=kwargs.get("shard"),
         )
+        if kwargs.get("residuals", outer_state) != outer_state:
+            raise ValueError(
+                f"residuals={kwargs['residuals']!r} with outer_state={outer_state!r}: a periodic scheme keeps its"
+                " slow hop's residuals with its outer state; set outer_state (leave residuals out)"
+            )
         self._outer_factory = resolve_outer_optimizer(outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs)
         super().__init__(**kwargs)
         self.sync_period = sync_period

@@ -115,7 +115,12 @@ class SampledVocabStrategy(AllReduceStrategy):
                     f"{name} must be a count >= 0 (an int) or a fraction in [0, 1] (a float), got {value!r}"
                 )
         gradient_compression = GradientCompression(
-            num_quantization_bits, distributed_after, distributed_after_unit, small_tensor_numel, half_dtype
+            num_quantization_bits,
+            distributed_after,
+            distributed_after_unit,
+            small_tensor_numel,
+            half_dtype,
+            residuals=kwargs.get("residuals", "device"),  # the compressed exchange's, as the slow hop's
         )
         super().__init__(backend=backend, timeout=timeout, start_method=start_method, **kwargs)
         self.compression = gradient_compression
