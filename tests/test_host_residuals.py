@@ -57,7 +57,9 @@ def test_host_residuals_reach_every_holder_of_a_gradient_scheme(scheme):
     assert hop.residuals == "device"
 
 
-@pytest.mark.parametrize("make", [lc.SampledVocabStrategy, lc.ExpertParallelStrategy], ids=["sampled_vocab", "expert_parallel"])
+@pytest.mark.parametrize(
+    "make", [lc.SampledVocabStrategy, lc.ExpertParallelStrategy], ids=["sampled_vocab", "expert_parallel"]
+)
 def test_the_other_compressed_exchanges_keep_their_residuals_where_residuals_says(make):
     for where, home in (("host", torch.device("cpu")), ("device", None)):
         strategy = make(num_quantization_bits=1, residuals=where)

@@ -158,7 +158,8 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[
         root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     else:
         _allocate_plain(root, device)
-    marked = [n for n, t in _named_tensors(root).items() if n in built_empty and (t.is_floating_point() or t.is_complex())]
+    floats = {n for n, t in _named_tensors(root).items() if t.is_floating_point() or t.is_complex()}
+    marked = [n for n in built_empty if n in floats]
     devices = [device] if device.type == "cuda" else []
     called = []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -180,8 +181,10 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[
     # an initialiser may have replaced a tensor rather than filled it: the tensors held now are checked,
     # all at once (one device-to-host copy on CUDA, not one per tensor)
     present = [n for n in marked if n in tensors]
-    flags = [torch.isnan(tensors[n]).any() for n in present]
-    unwritten = [n for n, bad in zip(present, torch.stack(flags).tolist() if flags else []) if bad]
+    if not present:
+        return called, []
+    flags = torch.stack([torch.isnan(tensors[n]).any() for n in present]).tolist()
+    unwritten = [n for n, bad in zip(present, flags, strict=True) if bad]
     return called, unwritten
 
 
