@@ -22,6 +22,7 @@ SHARD = {"shard": "fsdp", "group_size": 2, "shard_policy": {"min_unit_numel": 1}
 PERIOD = {"sync_period": 2, "sync_period_unit": "steps"}
 SCHEMES = {
     "allreduce": {},
+    "onebit_sgd": {"num_quantization_bits": 1},  # its 1-bit exchange across the groups, of the shards
     "model_averaging": PERIOD,
     "bmuf": PERIOD,
     "diloco": PERIOD,
