@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_commstrats.comm import CommSnapshot, CommStats, delta
-from lightning_commstrats.sharding import format_memory
+from lightning_commstrats.sharding import format_memory, format_ranks_peaks
 from lightning_commstrats.sharding.traffic import FSDP_TAGS
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,9 @@ class CommStatsMonitor(Callback):
                     figures["process_memory"] = process()
                 shown = format_memory(figures["memory"], figures.get("process_memory"))
                 summary += f"\n[memory] rank {trainer.global_rank}: {shown}"
+                every = gather_process_memory(trainer, figures.get("process_memory")) if self.summary_at_end else None
+                if every:
+                    summary += f"\n[memory] {format_ranks_peaks(every)}"
         if self.summary_at_end:
             rank_zero_info(summary)
         if self.save_dir is not None:
@@ -184,6 +187,16 @@ class CommStatsMonitor(Callback):
                 **figures,
             }
             (out / f"comm_stats.rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
+
+
+def gather_process_memory(trainer: pl.Trainer, mine: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """Collective (every rank calls it at the end of fit, as the callbacks' hooks run on every rank):
+    every rank's process memory figures in rank order, or None on one rank or where the strategy does
+    not measure them. Through the strategy's control channel: one small object per rank, once a fit."""
+    comm = getattr(trainer.strategy, "host_comm", None)
+    if mine is None or trainer.world_size == 1 or comm is None:
+        return None
+    return comm.all_gather_object(mine, tag="control")
 
 
 def say_beside_bar(trainer: pl.Trainer, line: str) -> None:

@@ -17,7 +17,13 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_commstrats import AllReduceStrategy, CommStatsMonitor
-from lightning_commstrats.sharding import ProcessMemory, fix_mmap_threshold, format_memory, format_process_memory
+from lightning_commstrats.sharding import (
+    ProcessMemory,
+    fix_mmap_threshold,
+    format_memory,
+    format_process_memory,
+    format_ranks_peaks,
+)
 from lightning_commstrats.sharding import process_memory as pm
 
 MIB = 2**20
@@ -261,3 +267,19 @@ def test_without_phases_the_kernels_peak_is_never_reset_for_other_readers():
         assert tracker.stats()["rss"]["peak"] >= high  # the tracker keeps the run's peak either way
     with pytest.raises(ValueError, match="memory_phases must be True or False"):
         AllReduceStrategy(memory_phases="no")
+
+
+def test_the_ranks_line_names_the_largest_and_the_smallest_peak_of_each_counter():
+    def stats(rss: int, allocated: int | None = None) -> dict:
+        out = {"rss": {"peak": rss}}
+        if allocated is not None:
+            out["allocated"] = {"peak": allocated, "device": "cuda:0"}
+        return out
+
+    line = format_ranks_peaks(
+        [stats(300 * MIB, 5 * 2**30), stats(2**30 + 2**29, 4 * 2**30), stats(100 * MIB, 6 * 2**30)]
+    )
+    assert line == (
+        "peak RSS over 3 ranks: largest 1.50 GiB (rank 1), smallest 100.0 MiB (rank 2);"
+        " peak allocated over 3 ranks: largest 6.00 GiB (rank 2), smallest 4.00 GiB (rank 1)"
+    )

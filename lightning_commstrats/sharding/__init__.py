@@ -25,6 +25,7 @@ from lightning_commstrats.sharding.process_memory import (
     fix_mmap_threshold,
     format_bytes,
     format_process_memory,
+    format_ranks_peaks,
     host_allocator,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "format_bytes",
     "format_memory",
     "format_process_memory",
+    "format_ranks_peaks",
     "fsdp_available",
     "host_allocator",
     "is_dtensor",

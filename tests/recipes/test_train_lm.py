@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -167,7 +168,7 @@ def test_the_moe_sites_config_keeps_tokens_inside_the_groups_and_prints_the_traf
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     small = ["--trainer.max_steps=6", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=2"]
-    small += ["--data.batch_size=8", "--trainer.strategy.init_args.sync_period=3"]
+    small += ["--data.batch_size=8", "--trainer.strategy.init_args.sync_period=3", "--fix_mmap_threshold=true"]
     proc = subprocess.run(
         [sys.executable, str(REPO / "recipes" / "train_lm.py"), "fit", "--config", "moe_sites", *small],
         capture_output=True,
@@ -184,3 +185,8 @@ def test_the_moe_sites_config_keeps_tokens_inside_the_groups_and_prints_the_traf
         assert f" {kind} " in summary, summary
     assert "of it FSDP2's inside the groups" in summary
     assert "peak RSS" in next(line for line in out.splitlines() if line.startswith("[memory] rank 0"))
+    # every rank's peak, the largest and the smallest named (rank 0 is not always the largest)
+    over = next(line for line in out.splitlines() if line.startswith("[memory] peak RSS over 4 ranks: largest"))
+    assert re.search(r"largest [\d.]+ [MG]iB \(rank \d\), smallest [\d.]+ [MG]iB \(rank \d\)", over), over
+    if sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+        assert "[memory] glibc" in out and "mmap threshold fixed at 131072 bytes" in out
