@@ -203,3 +203,56 @@ def test_the_shard_policy_refuses_a_bad_activation_checkpointing_setting():
         ShardPolicy(activation_checkpointing="yes")
     with pytest.raises(ValueError, match="activation_checkpointing"):
         ShardPolicy.of({"activation_checkpoint": True})
+
+
+class ShardsItself(__import__("lightning").LightningModule):
+    """A LightningModule whose configure_model applies fully_shard itself (its block, then itself)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if hasattr(self, "block"):
+            return
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+        mesh = self.device_mesh["shard"]
+        fully_shard(self.block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        return self.block(batch).float().pow(2).mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 8), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("given", ["shard_policy", "layered", "nothing"])
+def test_a_model_that_shards_itself_is_told_which_settings_it_left_out(given, one_rank_mesh, recwarn):
+    from tests.one_rank import one_rank_trainer
+
+    kwargs = {"shard": "fsdp", "group_size": 1}
+    if given == "shard_policy":
+        kwargs["shard_policy"] = {"activation_checkpointing": True}
+    trainer = one_rank_trainer(lc.AllReduceStrategy(**kwargs), 1)
+    if given == "layered":
+        trainer = __import__("lightning").Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=lc.AllReduceStrategy(**kwargs),
+            plugins=[lc.LayeredMixedPrecision(preset="O2", dtype="bf16")],  # the Linear in bf16
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+    trainer.fit(ShardsItself())
+    said = [str(w.message) for w in recwarn if "configure_model sharded the model itself" in str(w.message)]
+    if given == "nothing":
+        assert said == []
+    elif given == "shard_policy":
+        assert len(said) == 1 and "shard_policy {'activation_checkpointing': True}" in said[0]
+    else:
+        assert len(said) == 1 and "units in bf16 (gathered in float32 instead)" in said[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -185,11 +186,33 @@ class Sharding:
                 )
             self.units = ["(configure_model)"]
             register_step_methods(module)
+            unapplied = _unapplied_settings(self.policy, dtypes)
+            if unapplied:
+                warnings.warn(
+                    f"configure_model sharded the model itself, so {' and '.join(unapplied)} did not apply: its units"
+                    " are gathered as configure_model made them. Pass fully_shard an mp_policy (FSDP2's"
+                    " MixedPrecisionPolicy: param_dtype for half blocks, reduce_dtype=torch.float32) and checkpoint the"
+                    " blocks there, or leave the sharding to the strategy",
+                    stacklevel=2,
+                )
         else:
             self.units = apply_fsdp(module, self.shard_mesh, self.policy, dtypes, ignored)
             log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
         if self.stats is not None:
             count_fsdp_traffic(module, self.stats)
+
+
+def _unapplied_settings(policy: ShardPolicy, dtypes: Mapping[str, str] | None) -> list[str]:
+    """What a ``configure_model`` that shards the model itself leaves out: a shard policy other than the
+    default, and a precision plan's half units (each would be gathered in half by the policy)."""
+    out = []
+    if policy != ShardPolicy():
+        given = {k: v for k, v in vars(policy).items() if v != getattr(ShardPolicy(), k)}
+        out.append(f"shard_policy {given}")
+    half = sorted({d for d in (dtypes or {}).values() if d != "fp32"})
+    if half:
+        out.append(f"the precision plugin's units in {'/'.join(half)} (gathered in float32 instead)")
+    return out
 
 
 def _single(comm: Communicator) -> Communicator:
