@@ -31,7 +31,9 @@ exchange in flight), on the device or in host memory (``outer_state``), unsharde
 ``shard="fsdp"`` over groups of ``shard`` ranks. Every :class:`Candidate` carries its
 :class:`Memory`; the command prints it beside the step time (``--shard``, ``--outer-state``,
 ``--optimizer``). Not counted: activations, FSDP2's gathered units, the transient buffers of a sync
-(flat copies of a fragment, the codec's scratch), module buffers, the allocator's slack.
+(flat copies of a fragment, the codec's scratch), module buffers, the allocator's slack: with a
+device's memory (``device_memory``), :func:`peak_phases` adds them phase by phase to each layout's peak
+(:class:`Peak`), with the factors measured on a CPU host and a GPU.
 
 Every registered strategy name is either advised (:data:`SCHEMES`) or out of the advisor's scope
 with the reason (:data:`OUT_OF_SCOPE`).
@@ -48,13 +50,13 @@ from lightning_commstrats.advisor.command import (
     optimizer_from_config,
 )
 from lightning_commstrats.advisor.fsdp import (
-    MEMORY_OVERHEAD,
+    FsdpGathers,
     FsdpTraffic,
     FsdpUnits,
+    fsdp_gathers,
     fsdp_traffic,
     fsdp_transient,
     fsdp_units,
-    peak_per_rank,
     units_by_size,
 )
 from lightning_commstrats.advisor.grid import advise, default_settings, departure, mib, readable, recommend, table
@@ -69,6 +71,14 @@ from lightning_commstrats.advisor.inputs import (
     vocabulary_of,
 )
 from lightning_commstrats.advisor.memory import Memory, memory_per_rank
+from lightning_commstrats.advisor.peak import (
+    ALLOCATOR_SLACK,
+    HOST_PROCESS_BYTES,
+    Peak,
+    activation_bytes,
+    peak_per_rank,
+    peak_phases,
+)
 from lightning_commstrats.advisor.predict import (
     Candidate,
     Sharded,
@@ -80,21 +90,26 @@ from lightning_commstrats.advisor.predict import (
 from lightning_commstrats.advisor.schedule import gathered_exchange_bytes, sparse_exchange_bytes
 
 __all__ = [
-    "MEMORY_OVERHEAD",
+    "ALLOCATOR_SLACK",
+    "HOST_PROCESS_BYTES",
     "OUT_OF_SCOPE",
     "SCHEMES",
     "SETTINGS",
     "SHARDABLE",
     "Candidate",
+    "FsdpGathers",
     "FsdpTraffic",
     "FsdpUnits",
     "Memory",
+    "Peak",
     "Sharded",
+    "activation_bytes",
     "advise",
     "default_settings",
     "departure",
     "expected_distinct",
     "expected_sampled_rows",
+    "fsdp_gathers",
     "fsdp_traffic",
     "fsdp_transient",
     "fsdp_units",
@@ -109,6 +124,7 @@ __all__ = [
     "optimizer_from_config",
     "parse_size",
     "peak_per_rank",
+    "peak_phases",
     "predict",
     "readable",
     "recommend",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_commstrats.advisor.fsdp import MEMORY_OVERHEAD, FsdpUnits, fsdp_units
+from lightning_commstrats.advisor.fsdp import FsdpUnits, fsdp_units
 from lightning_commstrats.advisor.grid import advise, readable, recommend, table
 from lightning_commstrats.advisor.inputs import (
     ACCELERATORS,
@@ -23,6 +23,7 @@ from lightning_commstrats.advisor.inputs import (
     model_shape,
     parse_size,
 )
+from lightning_commstrats.advisor.peak import ALLOCATOR_SLACK, HOST_PROCESS_BYTES, activation_bytes
 from lightning_commstrats.advisor.predict import Candidate
 from lightning_commstrats.comm import Communicator, wire
 from lightning_commstrats.cost_model import ModelShape
@@ -73,27 +74,39 @@ def model_from_config(value: str) -> tuple[ModelShape, int]:
 def module_from_config(value: str) -> tuple[torch.nn.Module, int]:
     """The ``LanguageModel`` a training config describes, on the meta device, and the token ids in one
     rank's minibatch (see :func:`model_from_config`)."""
-    import yaml
-
-    from lightning_commstrats.cli import resolve_config
-    from lightning_commstrats.data import LMDataModule
     from lightning_commstrats.models import LanguageModel
 
-    path = Path(resolve_config(value))
-    if not path.is_file():
-        raise ValueError(f"--config: {value!r} is not a file or a packaged config")
-    config = yaml.safe_load(path.read_text()) or {}
-    model_args = dict(config.get("model") or {})
-    data_defaults = {
-        name: p.default for name, p in inspect.signature(LMDataModule.__init__).parameters.items() if name != "self"
-    }
-    data = {**data_defaults, **(config.get("data") or {})}
+    model_args, data = _config(value)
     model_args.update(vocab_size=data["max_vocab_size"], order=data["order"], max_seq_len=data["seq_len"])
     with torch.device("meta"):
         module = LanguageModel(**model_args)
     ngram = model_args.get("arch", "lstm") == "ffn"
     tokens = data["batch_size"] * (data["order"] if ngram else data["seq_len"] + 1)
     return module, tokens
+
+
+def batch_from_config(value: str) -> tuple[int, int]:
+    """A rank's minibatch of a training config as its model's forward takes it: ``(sequences, token ids
+    per sequence)`` (the n-gram model's context of ``order - 1`` words, else ``seq_len`` tokens)."""
+    model_args, data = _config(value)
+    ngram = model_args.get("arch", "lstm") == "ffn"
+    return data["batch_size"], data["order"] - 1 if ngram else data["seq_len"]
+
+
+def _config(value: str) -> tuple[dict, dict]:
+    import yaml
+
+    from lightning_commstrats.cli import resolve_config
+    from lightning_commstrats.data import LMDataModule
+
+    path = Path(resolve_config(value))
+    if not path.is_file():
+        raise ValueError(f"--config: {value!r} is not a file or a packaged config")
+    config = yaml.safe_load(path.read_text()) or {}
+    data_defaults = {
+        name: p.default for name, p in inspect.signature(LMDataModule.__init__).parameters.items() if name != "self"
+    }
+    return dict(config.get("model") or {}), {**data_defaults, **(config.get("data") or {})}
 
 
 def model_from_json(path: str, vocab_size: int = 0, vocab_width: int = 0) -> ModelShape:
@@ -202,9 +215,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--memory-overhead",
         type=float,
-        default=MEMORY_OVERHEAD,
         metavar="X",
-        help=f"the peak over the tensors held (default {MEMORY_OVERHEAD:.3g}, measured; see docs/advisor.md)",
+        help=(
+            "the allocator's factor on the itemized peak (default: measured, 1.0 on a CPU host with glibc's"
+            " mmap threshold fixed, 1.10 on a GPU; see docs/advisor.md)"
+        ),
+    )
+    parser.add_argument(
+        "--activations",
+        metavar="SIZE",
+        help=(
+            "bytes a rank's forward keeps for its backward (e.g. 70MiB; default: measured on the meta device for"
+            " --config's batch; none counted with --shapes)"
+        ),
     )
     parser.add_argument(
         "--empty-init",
@@ -236,8 +259,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             device_memory = parse_size(args.device_memory, "device_memory")
         except ValueError as err:
             parser.error(f"--device-memory: {err}")
-    if not (args.memory_overhead >= 1 and math.isfinite(args.memory_overhead)):
+    if args.memory_overhead is not None and not (args.memory_overhead >= 1 and math.isfinite(args.memory_overhead)):
         parser.error(f"--memory-overhead must be a finite number >= 1, got {args.memory_overhead:g}")
+    activations = None
+    if args.activations is not None:
+        try:
+            activations = parse_size(args.activations, "activations")
+        except ValueError as err:
+            parser.error(f"--activations: {err}")
     if not (args.compute_seconds >= 0 and math.isfinite(args.compute_seconds)):
         parser.error(f"--compute-seconds must be a finite number of seconds >= 0, got {args.compute_seconds:g}")
     if args.ranks < 1:
@@ -260,6 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 unit_source = "guessed from the shapes (every tensor of 65,536 values or more a unit of its own)"
         if args.tokens_per_rank is not None:
             tokens = args.tokens_per_rank
+        measured = ""
+        if activations is None and args.config:
+            try:
+                activations = activation_bytes(module, *batch_from_config(args.config))
+                measured = ", measured on the meta device for the config's batch"
+            except ValueError:
+                measured = ""  # a forward that does not run on meta: left out, and said so below
         mbit = {"bandwidth": args.bandwidth, "link_inside": args.link_inside, "link_between": args.link_between}
         rates = {f"{k}_bits": v * 1e6 if v is not None else None for k, v in mbit.items()}
         found = advise(
@@ -280,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overhead=args.memory_overhead,
             empty_init=args.empty_init,
             device_memory=device_memory,
+            activations=activations or 0,
             **rates,
         )
     except (ValueError, OSError) as err:
@@ -328,11 +365,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.empty_init
             else ", or the whole model built on every rank before it is sharded if more (--empty-init: built empty)"
         )
+        slack = args.memory_overhead if args.memory_overhead is not None else ALLOCATOR_SLACK[args.accelerator]
+        process = f" + {readable(HOST_PROCESS_BYTES)} the process grows by" if args.accelerator == "cpu" else ""
+        acts = (
+            f"activations {readable(activations)}{measured if args.activations is None else ', given'}"
+            if activations
+            else "activations not counted (unknown: give --activations)"
+        )
         print(
-            f"\nPeak per rank on the training device = {args.memory_overhead:.3g} x the tensors held (measured: the"
-            " allocator's slack, buffers, a small batch's activations, an allreduce sync; see docs/advisor.md)"
-            f"; sharded, plus FSDP2's gathers (the root and the largest unit, its gradients unsharded){built}."
-            f" Against {readable(device_memory)} a rank."
+            f"\nPeak per rank on the training device = {slack:.3g} x (the tensors held + the largest phase of a"
+            f" step on top of them){process}: the forward ({acts}; sharded, FSDP2's root and a unit gathered),"
+            " the backward (sharded: the root and a unit gathered with their gradients unsharded, the next unit"
+            " prefetched), the optimizer step's temporaries, a sync's buffers in flight (measured factors; see"
+            f" docs/advisor.md){built}. Against {readable(device_memory)} a rank, above what the process holds"
+            " before the model is built."
         )
     return 0 if fitting else 1
 

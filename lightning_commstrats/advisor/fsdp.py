@@ -1,5 +1,6 @@
 """FSDP2 inside a group as the advisor counts it: the units, the bytes a rank sends inside its group per
-step, and the peak memory a rank reaches (:func:`fsdp_traffic`, :func:`fsdp_transient`, :func:`peak_per_rank`).
+step, and what it holds on top of the shards in each phase of a step (:func:`fsdp_traffic`,
+:func:`fsdp_gathers`; :mod:`~lightning_commstrats.advisor.peak` adds them to a rank's peak).
 
 The in-group traffic of ``shard="fsdp"`` over groups of ``g`` ranks, per optimizer step and rank (one
 forward and one backward; FSDP2's ring collectives over the group):
@@ -34,13 +35,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_commstrats.advisor.memory import Memory
-
 RESHARD = (None, True, False)
-# The peak over the tensors held between steps, measured (issue 47: 4 CPU ranks, a 75.5M-parameter model,
-# allreduce with plain SGD, VmHWM above the start with a fixed glibc mmap threshold): unsharded 3.2x the
-# model where its tensors are 3.0x (parameters, gradients, allreduce's kept buckets): 3.2 / 3.0 = 1.07.
-MEMORY_OVERHEAD = 3.2 / 3.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +135,58 @@ def fsdp_traffic(
     return FsdpTraffic((group - 1) * (every + again) * gather_bytes, (group - 1) * every * reduce_bytes)
 
 
+@dataclass(frozen=True)
+class FsdpGathers:
+    """Bytes FSDP2 holds on top of a rank's shards in each phase of a step (:func:`fsdp_gathers`).
+
+    Attributes:
+        forward: at the end of forward: the root's gathered parameters (kept from forward under the
+            default) and the unit computing; with ``reshard_after_forward=False`` every unit, the whole model.
+        backward: while a unit is differentiated: the root gathered with its unsharded gradients (the tied
+            embedding's come first in backward and are reduce-scattered last), the unit's gathered
+            parameters and unsharded gradients, and the next unit's parameters prefetched (FSDP2 prefetches
+            one unit ahead in backward); with ``reshard_after_forward=False`` the whole model gathered
+            instead of the two units' parameters.
+        backward_end: the root's reduce-scatter, the backward's last: its gathered parameters, its
+            unsharded gradients and their copy into the reduce-scatter's input.
+    """
+
+    forward: int
+    backward: int
+    backward_end: int
+
+    @property
+    def most(self) -> int:
+        return max(self.forward, self.backward, self.backward_end)
+
+
+def fsdp_gathers(
+    shapes: Sequence[Sequence[int]],
+    units: FsdpUnits,
+    group: int,
+    *,
+    gather_bytes: int = 4,
+    reduce_bytes: int = 4,
+    reshard_after_forward: bool | None = None,
+) -> FsdpGathers:
+    """What FSDP2 over groups of ``group`` ranks holds on top of the shards, phase by phase
+    (:class:`FsdpGathers`), in ``gather_bytes`` per gathered value and ``reduce_bytes`` per unsharded
+    gradient value; whole sizes are padded as FSDP2 pads them (``group * ceil(d0 / group)`` rows).
+    Read from FSDP2's schedule; ``peak_phases`` adds them to the phases of a step."""
+    if reshard_after_forward not in RESHARD:
+        raise ValueError(f"reshard_after_forward must be None, True or False, got {reshard_after_forward!r}")
+    check_units(units, len(shapes))
+    whole = [group * _local(s, group) for s in shapes]
+    root = sum(whole[i] for i in units.root)
+    largest = max((sum(whole[i] for i in u) for u in units.units), default=0)
+    g, r = gather_bytes, reduce_bytes
+    end = root * (g + 2 * r)
+    if reshard_after_forward is False:
+        model = sum(whole) * g
+        return FsdpGathers(model, model + (root + largest) * r, end)
+    return FsdpGathers((root + largest) * g, root * (g + r) + largest * (2 * g + r), end)
+
+
 def fsdp_transient(
     shapes: Sequence[Sequence[int]],
     units: FsdpUnits,
@@ -149,36 +196,12 @@ def fsdp_transient(
     reduce_bytes: int = 4,
     reshard_after_forward: bool | None = None,
 ) -> int:
-    """Bytes FSDP2 holds on top of the shards at a step's peak (in backward): the root's gathered
-    parameters (kept from forward under the default, gathered again first in backward otherwise), the
-    largest unit's gathered parameters and its unsharded gradients (the reduce-scatter's input); with
-    ``reshard_after_forward=False`` every unit stays gathered until its backward, the whole model.
-    Whole sizes are padded as FSDP2 pads them (``group * ceil(d0 / group)`` rows)."""
-    check_units(units, len(shapes))
-    whole = [group * _local(s, group) for s in shapes]
-    root = sum(whole[i] for i in units.root)
-    largest = max((sum(whole[i] for i in u) for u in units.units), default=0)
-    if reshard_after_forward is False:
-        return sum(whole) * gather_bytes + largest * reduce_bytes
-    return root * gather_bytes + largest * (gather_bytes + reduce_bytes)
-
-
-def peak_per_rank(memory: Memory, transient: int = 0, *, overhead: float = MEMORY_OVERHEAD, built: int = 0) -> int:
-    """The most memory a rank reaches on the device it trains on (the GPU of a GPU run, the host of a CPU
-    run): ``overhead`` times the tensors it holds between steps (:class:`Memory`), plus FSDP2's
-    ``transient`` gathers; or, if more, ``overhead`` times ``built`` (the whole model's parameters, when
-    every rank builds it before it is sharded: a model not built empty).
-
-    ``overhead`` is what the process holds beyond its tensors (the allocator's slack, buffers, a small
-    batch's activations, a sync's transient copies), measured: :data:`MEMORY_OVERHEAD` (1.07; issue 47's
-    unsharded run, with a fixed glibc mmap threshold). The same run sharded 4-way measured 1.22x the model,
-    where this formula gives 1.13x (tensors 0.75x, the root and the largest unit gathered 0.33x), and
-    its build 1.06x (1.07x here). With glibc's default allocator settings the same runs peaked at 4.5x
-    and 4.1x: freed blocks stayed with the process, and no factor of the tensors holds then. A GPU run
-    measured (``docs/advisor.md``) 1.21x a plain step's tensors and up to 1.65x (32 bits) and 1.81x
-    (4 bits) at a ``diloco`` sync with the outer state on the device: pass those where they apply.
-    """
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 1 <= overhead < math.inf:
-        raise ValueError(f"overhead must be a finite number >= 1 (the peak over the tensors held), got {overhead!r}")
-    held = memory.device if memory.on_device == "device" else memory.host
-    return max(math.ceil(overhead * held) + transient, math.ceil(overhead * built))
+    """The most FSDP2 holds on top of the shards in any phase of a step (:func:`fsdp_gathers`)."""
+    return fsdp_gathers(
+        shapes,
+        units,
+        group,
+        gather_bytes=gather_bytes,
+        reduce_bytes=reduce_bytes,
+        reshard_after_forward=reshard_after_forward,
+    ).most

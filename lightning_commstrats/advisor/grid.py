@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from lightning_commstrats import cost_model
-from lightning_commstrats.advisor.fsdp import MEMORY_OVERHEAD, FsdpUnits, fsdp_units
+from lightning_commstrats.advisor.fsdp import FsdpUnits, fsdp_units
 from lightning_commstrats.advisor.inputs import (
     AVERAGING_PERIODS,
     DILOCO_BITS,
@@ -99,9 +99,11 @@ def advise(
     gather_dtype: str | None = None,
     reduce_dtype: str | None = None,
     reshard_after_forward: bool | None = None,
-    overhead: float = MEMORY_OVERHEAD,
+    overhead: float | None = None,
     empty_init: bool = False,
     device_memory: int | str | None = None,
+    activations: int = 0,
+    process_bytes: int | None = None,
 ) -> list[Candidate]:
     """Every candidate's predicted step, fastest first, with the memory each rank holds.
 
@@ -122,7 +124,8 @@ def advise(
         optimizer, param_dtype, outer_state, accelerator: see :func:`memory_per_rank`.
         link_inside_bits, link_between_bits: the links inside and between groups: see :func:`predict`.
         units, gather_dtype, reduce_dtype, reshard_after_forward: the sharded layout's FSDP2 traffic.
-        overhead, empty_init, device_memory: the peak memory against a device's: see :func:`predict`.
+        overhead, empty_init, device_memory, activations, process_bytes: the peak memory against a
+            device's: see :func:`predict`.
 
     Raises:
         ValueError: naming the argument: ``bandwidth_bits <= 0``, ``compute_seconds < 0``,
@@ -178,6 +181,8 @@ def advise(
         "overhead": overhead,
         "empty_init": empty_init,
         "device_memory": parse_size(device_memory) if device_memory is not None else None,
+        "activations": activations,
+        "process_bytes": process_bytes,
     }
     out = [
         predict(name, s, model, tokens_per_rank=tokens_per_rank, sampled_rows=sampled_rows, **kw) for name, s in pairs

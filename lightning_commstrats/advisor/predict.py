@@ -8,16 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_commstrats import cost_model
-from lightning_commstrats.advisor.fsdp import (
-    MEMORY_OVERHEAD,
-    FsdpUnits,
-    check_units,
-    fsdp_traffic,
-    fsdp_transient,
-    fsdp_units,
-    peak_per_rank,
-    units_by_size,
-)
+from lightning_commstrats.advisor.fsdp import FsdpUnits, check_units, fsdp_traffic, fsdp_units, units_by_size
 from lightning_commstrats.advisor.inputs import (
     PARAM_DTYPES,
     SHARDABLE,
@@ -30,6 +21,7 @@ from lightning_commstrats.advisor.inputs import (
     resolve_links,
 )
 from lightning_commstrats.advisor.memory import Memory, _local_shape, memory_per_rank
+from lightning_commstrats.advisor.peak import Peak, check_bytes, check_overhead, peak_phases
 from lightning_commstrats.advisor.schedule import gathered_exchange_bytes, schedule_of, sparse_exchange_bytes
 from lightning_commstrats.comm import wire
 from lightning_commstrats.compression.density import StatisticalAllGather
@@ -79,8 +71,10 @@ class Candidate:
         sharded_memory: the same with ``shard="fsdp"`` over groups of ``shard`` ranks, when asked and
             the scheme runs sharded (else ``None``).
         sharded: that layout's step, its in-group and cross-group traffic each on its own link (else ``None``).
-        peak, sharded_peak: the most memory a rank reaches on the device it trains on, each layout
-            (:func:`~lightning_commstrats.advisor.peak_per_rank`).
+        peak, sharded_peak: the most memory a rank reaches on the device it trains on, each layout, in
+            bytes (:attr:`Peak.total <lightning_commstrats.advisor.Peak.total>`).
+        peak_parts, sharded_peak_parts: what makes each (:class:`~lightning_commstrats.advisor.Peak`: the
+            tensors held, each phase of a step on top of them, the allocator's factor, the process's growth).
         device_memory: the memory a rank's device has, when given: :meth:`over` says by how much a layout
             exceeds it.
     """
@@ -98,6 +92,8 @@ class Candidate:
     peak: int | None = None
     sharded_peak: int | None = None
     device_memory: int | None = None
+    peak_parts: Peak | None = None
+    sharded_peak_parts: Peak | None = None
 
     def over(self, sharded: bool = False) -> int | None:
         """Bytes by which a layout's peak exceeds ``device_memory`` (0 or less: it fits; ``None``: no
@@ -173,9 +169,11 @@ def predict(
     gather_dtype: str | None = None,
     reduce_dtype: str | None = None,
     reshard_after_forward: bool | None = None,
-    overhead: float = MEMORY_OVERHEAD,
+    overhead: float | None = None,
     empty_init: bool = False,
     device_memory: int | str | None = None,
+    activations: int = 0,
+    process_bytes: int | None = None,
 ) -> Candidate:
     """The predicted step of ``scheme`` at ``settings`` (its constructor arguments; missing ones
     take the strategy's defaults, except ``sync_period``, which periodic schemes need) for
@@ -202,18 +200,25 @@ def predict(
     :class:`~lightning_commstrats.sharding.ShardPolicy` of ``model`` when it is a module, else a guess
     from the shapes (:func:`~lightning_commstrats.advisor.units_by_size`).
 
-    Memory peak (:attr:`Candidate.peak`, :attr:`Candidate.sharded_peak`):
-    :func:`~lightning_commstrats.advisor.peak_per_rank` with ``overhead``; the sharded layout adds
-    FSDP2's gathers (:func:`~lightning_commstrats.advisor.fsdp_transient`) and, unless ``empty_init``
-    (the model built on the meta device, only shards materialised), the whole model built on every rank
-    before it is sharded. ``device_memory`` (bytes, or a size such as ``"80GiB"``): the memory to fit.
+    Memory peak (:attr:`Candidate.peak`, :attr:`Candidate.sharded_peak`, with their parts in
+    :attr:`Candidate.peak_parts` and :attr:`Candidate.sharded_peak_parts`): the tensors held between steps
+    plus the largest phase of a step on top of them (:func:`~lightning_commstrats.advisor.peak_phases`:
+    ``activations``, the bytes a rank's forward keeps for its backward, from
+    :func:`~lightning_commstrats.advisor.activation_bytes`, 0 leaving them out; FSDP2's gathers in the
+    sharded layout; the optimizer's temporaries; a sync's buffers in flight), times ``overhead`` (the
+    allocator's factor: default 1.0 on a CPU host, 1.10 on a GPU, measured), plus ``process_bytes`` (the
+    process's own growth: default 35 MiB on a CPU host, 0 on a GPU, measured); and, unless ``empty_init``
+    (the model built on the meta device, only shards materialised), at least the whole model built on every
+    rank before it is sharded. ``device_memory`` (bytes, or a size such as ``"80GiB"``): the memory to fit
+    above what the process holds before the model is built (a CPU host: the interpreter and libraries,
+    270 MiB in ``benchmarks/results/fit_limit``; a GPU: the CUDA context and the communication's buffers).
 
     Raises:
         ValueError: for an unknown scheme, a setting the scheme does not take or an unsupported
             value, a period in samples (the advisor counts steps), ``sampled_vocab`` on a model
             without a vocabulary, a link that is missing or not a rate > 0, ``link_inside_bits``
-            without ``shard``, a bad ``device_memory``, ``overhead`` or dtype, or a memory option
-            :func:`memory_per_rank` refuses.
+            without ``shard``, a bad ``device_memory``, ``overhead``, ``activations``, ``process_bytes``
+            or dtype, or a memory option :func:`memory_per_rank` refuses.
     """
     if shard is not None:
         check_shard(shard, ranks)
@@ -231,6 +236,11 @@ def predict(
     )
     if not isinstance(empty_init, bool):
         raise ValueError(f"empty_init must be True or False, got {empty_init!r}")
+    if overhead is not None:
+        check_overhead(overhead)
+    check_bytes("activations", activations)
+    if process_bytes is not None:
+        check_bytes("process_bytes", process_bytes)
     found = _predict_step(scheme, settings, model, flat, compute_seconds, ranks, tokens_per_rank, sampled_rows)
     options = {
         "ranks": ranks,
@@ -240,8 +250,17 @@ def predict(
         "accelerator": accelerator,
     }
     memory = memory_per_rank(scheme, settings, model, **options)
-    peak = peak_per_rank(memory, overhead=overhead)
-    out = replace(found, memory=memory, peak=peak, device_memory=device_memory)
+    peaks = {
+        "ranks": ranks,
+        "optimizer": optimizer,
+        "param_width": PARAM_DTYPES[param_dtype],
+        "outer_state": outer_state,
+        "activations": activations,
+        "overhead": overhead,
+        "process": process_bytes,
+    }
+    parts = peak_phases(scheme, settings, model.shapes, memory, **peaks)
+    out = replace(found, memory=memory, peak=parts.total, peak_parts=parts, device_memory=device_memory)
     if shard is None or scheme not in SHARDABLE:
         return out
     if units is None:
@@ -257,9 +276,16 @@ def predict(
     sharded = Sharded(shard, across.step_seconds, inside_s, traffic.total, across.comm_seconds, across.bytes_per_step)
     sharded_memory = memory_per_rank(scheme, settings, model, shard=shard, **options)
     built = 0 if empty_init else model.numel * PARAM_DTYPES[param_dtype]
-    transient = fsdp_transient(model.shapes, units, shard, **fsdp)
-    sharded_peak = peak_per_rank(sharded_memory, transient, overhead=overhead, built=built)
-    return replace(out, sharded_memory=sharded_memory, sharded=sharded, sharded_peak=sharded_peak)
+    gathers = {"units": units, "gather_bytes": gather_width, "reduce_bytes": reduce_width}
+    rest = {"reshard_after_forward": reshard_after_forward, "built": built}
+    parts = peak_phases(scheme, settings, model.shapes, sharded_memory, **gathers, **rest, **peaks)
+    return replace(
+        out,
+        sharded_memory=sharded_memory,
+        sharded=sharded,
+        sharded_peak=parts.total,
+        sharded_peak_parts=parts,
+    )
 
 
 def _width(name: str, dtype: str) -> int:
