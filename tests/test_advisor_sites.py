@@ -182,12 +182,12 @@ def test_the_peak_is_above_the_measured_figures_and_says_what_fits():
     common = {"optimizer": "sgd", "accelerator": "cpu", "units": units, "bandwidth_bits": 1e9, "ranks": 4}
     c = advisor.predict("allreduce", {}, shapes, compute_seconds=0.1, shard=4, activations=acts, **common)
     # unsharded: parameters, gradients and the kept buckets (3.0x), the forward's activations on top (0.29x),
-    # the process's 35 MiB (0.12x): 3.43x, measured 3.2x
+    # the process's 37 MiB (0.13x): 3.43x, measured 3.2x
     assert c.peak_parts.phase == "forward" and c.peak_parts.held == 3 * model
     assert c.peak / model == pytest.approx(3.43, abs=0.01)
     # 4-way as measured, with the bucket: the tensors 0.75x; the backward on top: the root gathered with its
     # unsharded gradients (0.22x), a block's gathered parameters and gradients and the next block prefetched
-    # (0.33x), the activations left over the gradients set to None (0.06x); the process (0.12x): 1.49x,
+    # (0.33x), the activations left over the gradients set to None (0.06x); the process (0.13x): 1.49x,
     # measured 1.22x (conservative: the sharded runs measured below these terms, os-big's too)
     m = c.sharded_memory
     assert m.scheme == ()  # no bucket in one group now: the measured run's tensors are these plus one
@@ -196,7 +196,7 @@ def test_the_peak_is_above_the_measured_figures_and_says_what_fits():
     assert run.phase == "backward" and run.total / model == pytest.approx(1.49, abs=0.01)
     # without the bucket: the backward (0.50x + 0.61x) is above the whole model built on every rank (1.0x)
     assert c.sharded_peak_parts.phase == "backward"
-    assert c.sharded_peak == c.sharded_peak_parts.held + dict(c.sharded_peak_parts.phases)["backward"] + 35 * 2**20
+    assert c.sharded_peak == c.sharded_peak_parts.held + dict(c.sharded_peak_parts.phases)["backward"] + 37 * 2**20
     # with 16-way shards the whole model built on every rank is the peak (measured 1.06x on 4 ranks; 1.12x here)
     wide = advisor.predict("allreduce", {}, shapes, compute_seconds=0.1, shard=16, **{**common, "ranks": 16})
     assert wide.sharded_peak_parts.phase == "build" and wide.sharded_peak == model + advisor.HOST_PROCESS_BYTES
@@ -273,10 +273,10 @@ def test_the_command_takes_two_links_and_a_device_memory(tmp_path, capsys):
     in_group = 3 * 3 * (16000 + 16 + 4096) * 4
     assert row[11] == f"{in_group * 8 / 10e9:.4g} ({in_group / 1e6:.4g})"
     assert "Recommended, sharded" in out
-    # on a CPU host the process's own 35 MiB comes on top: nothing fits 1.4 MiB
+    # on a CPU host the process's own 37 MiB comes on top: nothing fits 1.4 MiB
     assert advisor.main([*args, "--optimizer", "sgd", "--accelerator", "cpu"]) == 1
     out = capsys.readouterr().out
-    assert "+ 35 MiB the process grows by" in out and "activations not counted (unknown: give --activations)" in out
+    assert "+ 37 MiB the process grows by" in out and "activations not counted (unknown: give --activations)" in out
     # a device too small: every row says by how much, the command says nothing fits and exits 1
     assert advisor.main([*args[:-1], "100KiB", *gpu]) == 1
     out = capsys.readouterr().out

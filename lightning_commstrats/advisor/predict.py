@@ -207,7 +207,7 @@ def predict(
     :func:`~lightning_commstrats.advisor.activation_bytes`, 0 leaving them out; FSDP2's gathers in the
     sharded layout; the optimizer's temporaries; a sync's buffers in flight), times ``overhead`` (the
     allocator's factor: default 1.0 on a CPU host, 1.10 on a GPU, measured), plus ``process_bytes`` (the
-    process's own growth: default 35 MiB on a CPU host, 0 on a GPU, measured); and, unless ``empty_init``
+    process's own growth: default 37 MiB on a CPU host, 0 on a GPU, measured); and, unless ``empty_init``
     (the model built on the meta device, only shards materialised), at least the whole model built on every
     rank before it is sharded. ``device_memory`` (bytes, or a size such as ``"80GiB"``): the memory to fit
     above what the process holds before the model is built (a CPU host: the interpreter and libraries,
