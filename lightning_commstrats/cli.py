@@ -77,6 +77,7 @@ from lightning_commstrats.data import LMDataModule
 from lightning_commstrats.models import LanguageModel
 from lightning_commstrats.precision import LayeredMixedPrecision
 from lightning_commstrats.sharding import fix_mmap_threshold
+from lightning_commstrats.sharding.process_memory import DEFAULT_MMAP_THRESHOLD
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # A --config value that could name a file; anything else (inline YAML, a URL) goes to jsonargparse as it is.
@@ -401,6 +402,9 @@ class LMCLI(LightningCLI):
         except ValueError as err:
             self._active_parser().error(str(err), err)
         if cfg.get("fix_mmap_threshold"):  # in every rank's process (each parses its command line), before the build
+            # ranks started afresh from this process (start_method spawn or forkserver) do not parse the command
+            # line: glibc reads the same setting from their environment at start
+            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(DEFAULT_MMAP_THRESHOLD))
             applied, why = fix_mmap_threshold()
             rank_zero_info(f"[memory] {why}" if applied else f"[memory] mmap threshold not fixed: {why}")
 

@@ -2,6 +2,7 @@
 
 import functools
 import importlib.resources
+import os
 import shutil
 import subprocess
 import sys
@@ -214,8 +215,12 @@ def test_fix_mmap_threshold_is_applied_before_the_model_is_built_and_only_when_a
 
     monkeypatch.setattr(LanguageModel, "__init__", build)
     assert _print_config(capsys, "--config", "lstm_tiny")["fix_mmap_threshold"] is False
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "0")  # recorded, so the test's own setting is undone after it
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     main(["fit", "--config", "lstm_tiny", "--trainer.max_steps=1"])
-    assert events == ["model built"]
+    assert events == ["model built"] and "MALLOC_MMAP_THRESHOLD_" not in os.environ
     events.clear()
     main(["fit", "--config", "lstm_tiny", "--trainer.max_steps=1", "--fix_mmap_threshold=true"])
     assert events == ["fixed", "model built"]
+    # and ranks started afresh from this process (spawn) read it from their environment at start
+    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "131072"
