@@ -172,6 +172,11 @@ def test_what_an_init_weights_leaves_unwritten_is_found_and_a_replaced_buffer_co
     assert materialize(missed, torch.device("cpu")) == (["Rotary.init_weights"], ["cos"])
     assert materialize(recomputed, torch.device("cpu"))[1] == []
     assert torch.equal(recomputed.cos, torch.cos(torch.arange(6.0)))
+    # a NaN an initialiser writes on purpose (a sentinel) is not the mark: it passes; in bfloat16 as well
+    with torch.device("meta"):
+        sentinel = Rotary(recompute=False).to(torch.bfloat16)
+    sentinel.init_weights = lambda: (sentinel.proj.reset_parameters(), sentinel.cos.fill_(float("nan")))
+    assert materialize(sentinel, torch.device("cpu"))[1] == []
     # built with init_module(empty_init=True)'s context the buffer is real: nothing to miss
     with parameters_on_meta():
         real_buffer = Rotary(recompute=False)

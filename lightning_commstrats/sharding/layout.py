@@ -187,7 +187,7 @@ class Sharding:
             self.units = ["(configure_model)"]
             register_step_methods(module)
             unapplied = _unapplied_settings(self.policy, dtypes)
-            if unapplied:
+            if unapplied and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
                 warnings.warn(
                     f"configure_model sharded the model itself, so {' and '.join(unapplied)} did not apply: its units"
                     " are gathered as configure_model made them. Pass fully_shard an mp_policy (FSDP2's"

@@ -26,10 +26,11 @@ moves, as Lightning's own sharded strategies and torchtitan do:
    A module with meta tensors and neither hook is refused before anything is allocated
    (:func:`check_initialisable`), naming it: its weights would be whatever the allocator left.
    And an ``init_weights()`` may miss what its subtree holds (an ``apply`` over the ``Linear`` and
-   ``Embedding`` modules leaves a rotary cache built on meta untouched): every floating-point tensor
-   given memory here is first filled with NaN, and the names of those still holding a NaN after the
-   initialisers ran are returned (:func:`materialize`), for the caller to refuse on every rank.
-   Integer and boolean tensors cannot be marked so: nothing checks them.
+   ``Embedding`` modules leaves a rotary cache built on meta untouched): every 16-, 32- or 64-bit float
+   tensor given memory here is first filled with a mark (a NaN of a payload of its own, :data:`MARKS`),
+   and the names of those still holding the mark after the initialisers ran are returned
+   (:func:`materialize`), for the caller to refuse on every rank. A NaN an initialiser writes on purpose
+   is another NaN and passes. Smaller floats, complex, integer and boolean tensors are not checked.
 
 Random initialisers on sharded tensors draw from each rank's own generator; on CPU torch gives every
 rank of a group the same stream, so every shard would repeat the first. :func:`materialize` draws
@@ -48,6 +49,15 @@ from torch import Tensor, nn
 from lightning_commstrats.sharding.layout import is_dtensor, local
 
 INIT_HOOK = "init_weights"
+# What a tensor given memory holds until an initialiser writes it: a quiet NaN with a payload of its own, by
+# the integer type of the same width (a NaN an initialiser writes on purpose is another NaN). Other dtypes
+# (8-bit and smaller floats, complex, integers, booleans) are not marked, and not checked.
+MARKS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float16: (torch.int16, 0x7E5A),
+    torch.bfloat16: (torch.int16, 0x7FDA),
+    torch.float32: (torch.int32, 0x7FC5A5A5),
+    torch.float64: (torch.int64, 0x7FF8A5A5A5A5A5A5),
+}
 
 
 @contextmanager
@@ -137,6 +147,12 @@ def _allocate_plain(root: nn.Module, device: torch.device) -> None:
                 table[name] = new[id(t)]
 
 
+def _still_marked(t: Tensor) -> Tensor:
+    """Whether some value of ``t`` still holds its dtype's mark (a 0-dim bool on ``t``'s device)."""
+    as_int, mark = MARKS[t.dtype]
+    return (t.view(as_int) == mark).any()
+
+
 def _named_tensors(root: nn.Module) -> dict[str, Tensor]:
     """``root``'s parameters and buffers by name (a shared tensor under its first name), local shards."""
     return {n: local(t) for n, t in (*root.named_parameters(), *root.named_buffers()) if t is not None}
@@ -146,7 +162,7 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[
     """Give ``root``'s meta tensors memory on ``device`` (this rank's local shards only) and initialise
     them (see the module docstring); ``index`` is this rank's place in its group, which offsets the
     seed of its draws. Returns ``(called, unwritten)``: the names of the initialisers called, in order,
-    and of the floating-point tensors no initialiser wrote (still NaN in this rank's shard: a rank whose
+    and of the marked tensors no initialiser wrote (still marked in this rank's shard: a rank whose
     shard of a tensor is empty cannot see it, so the caller agrees on them across ranks)."""
     own, resets, missing = _plan(root)
     if missing:
@@ -158,14 +174,15 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[
         root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     else:
         _allocate_plain(root, device)
-    floats = {n for n, t in _named_tensors(root).items() if t.is_floating_point() or t.is_complex()}
+    floats = {n for n, t in _named_tensors(root).items() if t.dtype in MARKS}
     marked = [n for n in built_empty if n in floats]
     devices = [device] if device.type == "cuda" else []
     called = []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         tensors = _named_tensors(root)
-        for name in marked:
-            tensors[name].fill_(float("nan"))  # what no initialiser writes stays NaN, and is found below
+        for name in marked:  # what no initialiser writes keeps the mark, bit for bit, and is found below
+            as_int, mark = MARKS[tensors[name].dtype]
+            tensors[name].view(as_int).fill_(mark)
         seed = (torch.initial_seed() + index) % (1 << 63)
         torch.manual_seed(seed)
         for name, module in own:
@@ -178,12 +195,12 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[
     still = [n for n, t in tensors.items() if t.is_meta]
     if still:
         raise RuntimeError(f"materialising the model left {still[:4]} on the meta device")
-    # an initialiser may have replaced a tensor rather than filled it: the tensors held now are checked,
-    # all at once (one device-to-host copy on CUDA, not one per tensor)
-    present = [n for n in marked if n in tensors]
+    # an initialiser may have replaced a tensor rather than filled it (on another device, of another dtype):
+    # the tensors held now are checked, all at once (one device-to-host copy on CUDA, not one per tensor)
+    present = [n for n in marked if n in tensors and tensors[n].dtype in MARKS]
     if not present:
         return called, []
-    flags = torch.stack([torch.isnan(tensors[n]).any() for n in present]).tolist()
+    flags = torch.stack([_still_marked(tensors[n]).to(device) for n in present]).tolist()
     unwritten = [n for n, bad in zip(present, flags, strict=True) if bad]
     return called, unwritten
 
@@ -195,5 +212,6 @@ def unwritten_error(names: list[str], called: list[str]) -> ValueError:
         f" {len(names)} tensor(s) still hold no value: {', '.join(names[:6])}. An {INIT_HOOK}() covers everything"
         f" inside its module and must initialise these too (a rotary cache: recompute it; LitGPT's GPT does in"
         f" its reset_parameters()), or build them for real (Trainer.init_module(empty_init=True) builds buffers"
-        " for real and only the parameters on meta)"
+        " for real and only the parameters on meta). A checkpoint loaded after setup would overwrite them, but"
+        " is not read before this check: initialise them anyway"
     )

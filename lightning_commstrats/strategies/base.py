@@ -546,6 +546,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         empty = has_meta(module)
+        if self.sharding is not None and len(self.agree_on_names(["on meta" if empty else "with memory"])) > 1:
+            # the ranks of a group would wait in each other's collectives (materialising, FSDP2's first gathers)
+            raise ValueError(
+                "some ranks built the model on the meta device and others with memory: build it the same way on every"
+                " rank (init_module(empty_init=True) or configure_model on meta everywhere, or nowhere)"
+            )
         if empty:  # refused before anything is sharded or allocated
             check_initialisable(module)
         if self.sharding is not None:

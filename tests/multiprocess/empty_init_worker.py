@@ -1,8 +1,9 @@
 """One rank of a test of models built without their memory (started by ``tests/harness.py``).
 
 Usage: ``empty_init_worker.py SPEC_JSON OUT_DIR``. SPEC is ``{"scenarios": {name: scenario}}``; each
-scenario trains :class:`Blocks` (an embedding tied to the output layer, residual ``Linear`` blocks
-with a ``LayerNorm`` each) and this rank saves ``OUT_DIR/rank<r>.pt`` holding, per scenario:
+scenario (``build_by_rank``, {rank: build}, builds some ranks otherwise; ``expect_error`` records a
+refusal's message instead of the run) trains :class:`Blocks` (an embedding tied to the output layer,
+residual ``Linear`` blocks with a ``LayerNorm`` each) and this rank saves ``OUT_DIR/rank<r>.pt`` holding, per scenario:
 
 - ``start`` / ``final``: this rank's local part of every parameter when training starts and once
   fit ends (``record_weights``, default true);
@@ -244,13 +245,19 @@ def run_trainer(sc: dict[str, Any], rank_hint: int, calls: Calls) -> tuple[int, 
     )
     rss = {"start": _status("VmRSS")}
     _reset_peak()
-    build = sc.get("build", "whole")
+    build = sc.get("build_by_rank", {}).get(str(rank_hint), sc.get("build", "whole"))
     if build == "empty":
         with trainer.init_module(empty_init=True):
             model = Blocks(build, sc.get("optimizer", "sgd"), **dims)
     else:
         model = Blocks(build, sc.get("optimizer", "sgd"), **dims)
     loader = DataLoader(Batches(rank_hint, steps, dims.get("vocab", 64)), batch_size=None, shuffle=False)
+    if sc.get("expect_error"):  # a refusal: its message, on every rank
+        try:
+            trainer.fit(model, train_dataloaders=loader)
+        except ValueError as err:
+            return trainer.global_rank, {"error": str(err)}
+        return trainer.global_rank, {"error": None}
     trainer.fit(model, train_dataloaders=loader)
     rss.update(build_peak=watch.build_peak, train_peak=_status("VmHWM"), end=watch.end_rss)
     rss["model_bytes"] = 4 * sum(p.numel() for p in model.parameters())

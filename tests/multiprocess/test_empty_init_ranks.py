@@ -88,8 +88,18 @@ def test_a_litgpt_style_configure_model_sharding_self_model_trains():
     # the network is self.model, built on meta and sharded (its blocks, self.model, self) by
     # configure_model; the steps call self.model(x), never the root's forward
     scenarios = {"wrapped": {"strategy": "diloco", "kwargs": {**PERIOD, **SHARD}, "build": "wrapped", "devices": 2}}
+    # and a group whose ranks built the model apart (rank 0 empty, rank 1 with memory) is refused on both
+    # ranks before either waits in a collective the other never reaches
+    scenarios["mixed"] = {
+        **scenarios["wrapped"],
+        "build": "whole",
+        "build_by_rank": {"0": "empty"},
+        "expect_error": True,
+    }
     runs = run_ranks({"scenarios": scenarios}, 2, script=WORKER)
     _check_run("wrapped", [r["wrapped"] for r in runs], groups=1)
+    for r in runs:
+        assert "some ranks built the model on the meta device and others with memory" in (r["mixed"]["error"] or "")
 
 
 @pytest.mark.slow
