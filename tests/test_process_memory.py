@@ -168,26 +168,26 @@ def test_fix_mmap_threshold_refuses_a_bad_threshold_and_does_nothing_without_gli
         raise ValueError(name)
 
     monkeypatch.setattr(pm.os, "confstr", no_glibc)
-    monkeypatch.setattr(pm, "_maps", lambda: "")
     applied, why = fix_mmap_threshold()
     assert not applied and "unknown" in why and pm.host_allocator() == "unknown"
 
 
 @linux_only
-def test_host_allocator_reads_the_memory_map_and_the_threshold_is_left_alone_under_a_preloaded_one(monkeypatch):
+def test_host_allocator_asks_the_linker_and_the_threshold_is_left_alone_under_another_malloc(monkeypatch):
     if not _glibc():
         pytest.skip("not glibc")
     assert pm.host_allocator() == "glibc"  # this test process: glibc's malloc (nothing preloaded here)
     called = []
     monkeypatch.setattr(pm.ctypes, "CDLL", lambda *a: called.append(a))
-    for name, line in (
-        ("jemalloc", "7f00 r-xp 00000000 fd:01 42 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
-        ("tcmalloc", "7f00 r-xp 00000000 fd:01 42 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10"),
+    for name, library in (
+        ("jemalloc", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
+        ("tcmalloc", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10"),
+        ("unknown", "/opt/python/bin/python3.11"),  # an allocator linked into the executable
     ):
-        monkeypatch.setattr(pm, "_maps", lambda line=line: "55aa r-xp 00000000 fd:01 7 /usr/bin/python3\n" + line)
+        monkeypatch.setattr(pm, "_malloc_library", lambda library=library: library)
         assert pm.host_allocator() == name
         applied, why = fix_mmap_threshold()
-        assert not applied and f"malloc is {name}'s" in why
+        assert not applied and f"malloc is not glibc's ({name})" in why
     assert called == []  # glibc's mallopt never called: it would set an allocator that is not in use
 
 

@@ -258,29 +258,48 @@ class ProcessMemory:
 PRELOADED_ALLOCATORS = {"jemalloc": "libjemalloc.so", "tcmalloc": "libtcmalloc"}
 
 
-def _maps() -> str:
-    """This process's memory map (``/proc/self/maps``), or ``""`` where there is none."""
+class _DlInfo(ctypes.Structure):
+    _fields_ = [  # the layout of dlfcn.h's Dl_info
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _malloc_library() -> str | None:
+    """The file of the shared object whose ``malloc`` this process calls (the dynamic linker's answer:
+    a preloaded allocator's library, or the C library), or None where that cannot be asked."""
     try:
-        with open("/proc/self/maps") as f:
-            return f.read()
-    except OSError:
-        return ""
+        libc = ctypes.CDLL(None)
+        address = ctypes.cast(libc.malloc, ctypes.c_void_p).value
+        info = _DlInfo()
+        if not libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+            return None
+        return info.dli_fname.decode(errors="replace")
+    except (AttributeError, OSError, TypeError):
+        return None
 
 
 def host_allocator() -> str:
-    """The allocator this process's ``malloc`` is: ``"jemalloc"`` or ``"tcmalloc"`` when one is mapped
-    into the process (preloaded with ``LD_PRELOAD``, or linked), else ``"glibc"`` where the C library is
-    glibc, else ``"unknown"``. Read from ``/proc/self/maps`` (a preload that failed leaves glibc's
-    ``malloc`` silently in place: this says which one runs)."""
-    maps = _maps()
-    for name, stem in PRELOADED_ALLOCATORS.items():
-        if stem in maps:
-            return name
+    """The allocator this process's ``malloc`` is: ``"jemalloc"`` or ``"tcmalloc"`` (preloaded with
+    ``LD_PRELOAD``, or linked), ``"glibc"``, or ``"unknown"`` (another C library, another allocator,
+    one linked into the executable). Asked of the dynamic linker: the shared object that holds the
+    ``malloc`` this process calls (a preload that failed leaves glibc's in place silently: this says
+    which one runs)."""
+    library = _malloc_library()
+    if library is None:
+        return "unknown"
+    name = os.path.basename(library)
+    for allocator, stem in PRELOADED_ALLOCATORS.items():
+        if name.startswith(stem):
+            return allocator
     try:
         version = os.confstr("CS_GNU_LIBC_VERSION")
     except (AttributeError, ValueError, OSError):
         version = None
-    return "glibc" if version and version.startswith("glibc") else "unknown"
+    glibc = bool(version and version.startswith("glibc"))
+    return "glibc" if glibc and name.startswith("libc.so") else "unknown"
 
 
 def fix_mmap_threshold(threshold: int = DEFAULT_MMAP_THRESHOLD, *, trim: bool = True) -> tuple[bool, str]:
@@ -305,7 +324,7 @@ def fix_mmap_threshold(threshold: int = DEFAULT_MMAP_THRESHOLD, *, trim: bool = 
         raise ValueError(f"threshold must be a positive number of bytes, got {threshold!r}")
     allocator = host_allocator()
     if allocator != "glibc":
-        return False, f"malloc is {allocator}'s, not glibc's: glibc's mmap threshold does not apply (see its settings)"
+        return False, f"malloc is not glibc's ({allocator}): glibc's mmap threshold does not apply (see its settings)"
     version = os.confstr("CS_GNU_LIBC_VERSION")
     libc = ctypes.CDLL(None)
     if libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
