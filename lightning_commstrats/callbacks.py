@@ -160,19 +160,21 @@ class CommStatsMonitor(Callback):
             figures = self._own_figures(trainer)
             summary = format_steps_summary(type(trainer.strategy).__name__, **figures)
         else:
+            memory = getattr(trainer.strategy, "memory_stats", None)
+            # what the process held at its peak, as the operating system and the device count it
+            process = getattr(trainer.strategy, "process_memory_stats", None)
+            held = process() if memory is not None and process is not None else None
+            # every rank's peaks, gathered before the counters are read: the gather's bytes are in the figures
+            every = gather_process_memory(trainer, held) if memory is not None and self.summary_at_end else None
             snapshot = self._stats.snapshot()
             figures = snapshot.as_dict()
             summary = format_summary(snapshot)
-            memory = getattr(trainer.strategy, "memory_stats", None)
             if memory is not None:  # what this rank holds, by kind, from the tensors' storages
                 figures["memory"] = memory()
-                # and what the process held at its peak, as the operating system and the device count it
-                process = getattr(trainer.strategy, "process_memory_stats", None)
-                if process is not None:
-                    figures["process_memory"] = process()
-                shown = format_memory(figures["memory"], figures.get("process_memory"))
+                if held is not None:
+                    figures["process_memory"] = held
+                shown = format_memory(figures["memory"], held)
                 summary += f"\n[memory] rank {trainer.global_rank}: {shown}"
-                every = gather_process_memory(trainer, figures.get("process_memory")) if self.summary_at_end else None
                 if every:
                     summary += f"\n[memory] {format_ranks_peaks(every)}"
         if self.summary_at_end:
