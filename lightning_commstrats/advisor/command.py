@@ -253,20 +253,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"--shard {args.shard} prices FSDP2's in-group traffic: give --link-inside (or --bandwidth for both links)"
         )
-    device_memory = None
-    if args.device_memory is not None:
+
+    def size(name: str) -> int | None:
+        """The size argument ``--<name>`` in bytes (None when not given); a bad one is a usage error."""
+        value = getattr(args, name)
+        if value is None:
+            return None
         try:
-            device_memory = parse_size(args.device_memory, "device_memory")
+            return parse_size(value, name)
         except ValueError as err:
-            parser.error(f"--device-memory: {err}")
+            parser.error(f"--{name.replace('_', '-')}: {err}")
+
+    device_memory = size("device_memory")
     if args.memory_overhead is not None and not (args.memory_overhead >= 1 and math.isfinite(args.memory_overhead)):
         parser.error(f"--memory-overhead must be a finite number >= 1, got {args.memory_overhead:g}")
-    activations = None
-    if args.activations is not None:
-        try:
-            activations = parse_size(args.activations, "activations")
-        except ValueError as err:
-            parser.error(f"--activations: {err}")
+    activations = size("activations")
     if not (args.compute_seconds >= 0 and math.isfinite(args.compute_seconds)):
         parser.error(f"--compute-seconds must be a finite number of seconds >= 0, got {args.compute_seconds:g}")
     if args.ranks < 1:
