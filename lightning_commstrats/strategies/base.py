@@ -16,7 +16,6 @@ Lightning's own traffic (``barrier``, ``broadcast``, ``reduce`` for ``self.log(.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -46,21 +45,18 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_commstrats._cli_errors import nearest
 from lightning_commstrats._logging import log_rank_zero
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, BucketKey, flatten, unflatten_into
 from lightning_commstrats.comm import (
-    BACKENDS,
     CollectiveError,
     CommStats,
     Communicator,
     create_communicator,
-    import_mpi,
     is_backend_failure,
     resolve_backend,
 )
-from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce, check_slow_bits
-from lightning_commstrats.sharding import ProcessMemory, Sharding, check_shard, local, memory_by_kind, tensors_in
+from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce
+from lightning_commstrats.sharding import ProcessMemory, Sharding, local, memory_by_kind, tensors_in
 from lightning_commstrats.sharding import checkpoint as sharded_checkpoint
 from lightning_commstrats.sharding.materialize import (
     check_initialisable,
@@ -69,6 +65,7 @@ from lightning_commstrats.sharding.materialize import (
     parameters_on_meta,
     unwritten_error,
 )
+from lightning_commstrats.strategies.comm_settings import check_comm_settings
 from lightning_commstrats.strategies.params import ParamSet
 from lightning_commstrats.strategies.reducer import BUFFERS, GRADIENTS, Reducer
 from lightning_commstrats.strategies.state import STATE_KEY, StateStore, log_here
@@ -77,9 +74,6 @@ from lightning_commstrats.topology import Topology
 
 log = logging.getLogger(__name__)
 
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-RESUME_MISMATCH = ("error", "reset", "reshard")
-NONFINITE_POLICIES = ("raise", "skip")
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
@@ -210,57 +204,24 @@ class CommStrategy(RankDevices, ParallelStrategy):
         precision_plugin: Precision | None = None,
         **unknown: Any,
     ) -> None:
-        if "fault_tolerance" in unknown:
-            raise ValueError(
-                f"{type(self).__name__} cannot honour fault_tolerance: only the periodic schemes (model_averaging,"
-                " bmuf, diloco, streaming_diloco, sparseloco, PeriodicSyncStrategy) survive replicas that die and"
-                " rejoin; a scheme that exchanges every step needs every rank at every step"
-            )
-        if unknown:
-            hint = _suggest(type(self), unknown)
-            raise TypeError(
-                f"{type(self).__name__} got unexpected keyword argument(s) {sorted(unknown)}{hint};"
-                f" see help(lightning_commstrats.{type(self).__name__}) for what it takes"
-            )
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=timeout)
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {timeout!r}")
-        if process_group_backend is not None:  # the name Lightning's DDPStrategy uses
-            if backend not in ("auto", process_group_backend):
-                raise ValueError(
-                    f"backend={backend!r} and process_group_backend={process_group_backend!r} disagree; give one"
-                )
-            backend = process_group_backend
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
-        if backend == "mpi":
-            import_mpi()  # without the [mpi] extra: an install hint now, not at the first collective
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not supported; choose one of {START_METHODS}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        if resume_mismatch not in RESUME_MISMATCH:
-            raise ValueError(f"resume_mismatch={resume_mismatch!r} is not supported; choose one of {RESUME_MISMATCH}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite={nonfinite!r} is not supported; choose one of {NONFINITE_POLICIES}")
-        if group_size is not None and group_size != "node":
-            if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-                raise ValueError(f"group_size must be a positive int, 'node' or None, got {group_size!r}")
-        check_slow_bits(slow_hop_bits)
-        if not isinstance(memory_phases, bool):
-            raise ValueError(f"memory_phases must be True or False, got {memory_phases!r}")
-        if slow_hop_bits < 32 and group_size is None and shard is None:
-            raise ValueError(f"slow_hop_bits={slow_hop_bits} needs group_size (the hop between groups of ranks)")
-        if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
-            raise ValueError(f"verify_sync_every must be an int >= 0 (0: never), got {verify_sync_every!r}")
-        if verify_sync_action not in ("raise", "warn"):
-            raise ValueError(
-                f"verify_sync_action={verify_sync_action!r} is not supported; choose one of ('raise', 'warn')"
-            )
-        check_shard(shard, type(self).__name__, self.supports_shard, backend)
-        if shard_policy is not None and shard is None:
-            raise ValueError("shard_policy is given without shard: pass shard='fsdp' too, or no shard_policy")
+        backend, timeout = check_comm_settings(
+            type(self),
+            unknown,
+            backend=backend,
+            timeout=timeout,
+            start_method=start_method,
+            bucket_cap_mb=bucket_cap_mb,
+            resume_mismatch=resume_mismatch,
+            nonfinite=nonfinite,
+            verify_sync_every=verify_sync_every,
+            verify_sync_action=verify_sync_action,
+            process_group_backend=process_group_backend,
+            group_size=group_size,
+            slow_hop_bits=slow_hop_bits,
+            shard=shard,
+            shard_policy=shard_policy,
+            memory_phases=memory_phases,
+        )
         self.sharding = Sharding(group_size or "node", shard_policy) if shard is not None else None
         self.shard = shard
         self.group_size = group_size
@@ -1157,20 +1118,6 @@ def agreed_buffer_ids(module: Module) -> set[int]:
         for name in getattr(m, "agreed_buffers", ())
         if (buffer := m._buffers.get(name)) is not None
     }
-
-
-def _suggest(cls: type, unknown: dict[str, Any]) -> str:
-    """``" (did you mean: sync_peroid -> sync_period?)"`` for misspelled keyword arguments: the nearest
-    of the names every ``__init__`` in ``cls``'s hierarchy takes, or ``""``."""
-    taken = {
-        name
-        for klass in cls.__mro__
-        if "__init__" in vars(klass)
-        for name, param in inspect.signature(vars(klass)["__init__"]).parameters.items()
-        if name != "self" and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
-    }
-    hints = [f"{name} -> {' or '.join(close)}" for name in sorted(unknown) if (close := nearest(name, sorted(taken)))]
-    return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
 def _some_names(names: Sequence[str], most: int = 8) -> str:
