@@ -167,15 +167,14 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[
     own, resets, missing = _plan(root)
     if missing:
         check_initialisable(root)
-    built_empty = [n for n, t in _named_tensors(root).items() if t.is_meta]
+    # the tensors given memory below that can hold a mark (a meta tensor knows its dtype)
+    marked = [n for n, t in _named_tensors(root).items() if t.is_meta and t.dtype in MARKS]
 
     if any(is_dtensor(p) for p in root.parameters()):
         # FSDP2's own _apply re-registers the sharded parameters afterwards
         root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     else:
         _allocate_plain(root, device)
-    floats = {n for n, t in _named_tensors(root).items() if t.dtype in MARKS}
-    marked = [n for n in built_empty if n in floats]
     devices = [device] if device.type == "cuda" else []
     called = []
     with torch.random.fork_rng(devices=devices), torch.no_grad():

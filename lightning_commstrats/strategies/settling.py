@@ -64,36 +64,36 @@ def check_settling_args(threshold: float | None, window: int, max_delay: int | N
         )
 
 
+def _second_moments(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> list[tuple[Tensor, float]]:
+    """``(v, 1 / sqrt(1 - beta2 ** step))`` for each of ``params`` that has Adam state, in order: the
+    second moment and the factor that bias-corrects its square root."""
+    wanted = {id(p) for p in params}
+    out = []
+    for group in optimizer.param_groups:
+        b2 = group["betas"][1]
+        for p in group["params"]:
+            state = optimizer.state.get(p) if id(p) in wanted else None
+            if state and "exp_avg_sq" in state:
+                out.append((state["exp_avg_sq"], 1 / math.sqrt(1 - b2 ** float(state["step"]))))
+    return out
+
+
 def variance_roots(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
     """The bias-corrected ``sqrt(v)`` of each of ``params`` that has Adam state, in order (a copy of the
     whole second moment: ``benchmarks/variance_settling.py`` reads it; the check uses :func:`variance_sums`)."""
-    wanted = {id(p) for p in params}
-    roots: list[Tensor] = []
-    for group in optimizer.param_groups:
-        b2 = group["betas"][1]
-        states = [optimizer.state.get(p) for p in group["params"] if id(p) in wanted]
-        states = [s for s in states if s and "exp_avg_sq" in s]
-        if not states:
-            continue
-        r = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-        torch._foreach_mul_(r, [1 / math.sqrt(1 - b2 ** float(s["step"])) for s in states])
-        roots += r
-    return roots
+    moments = _second_moments(optimizer, params)
+    if not moments:
+        return []
+    roots = torch._foreach_sqrt([v for v, _ in moments])
+    torch._foreach_mul_(roots, [c for _, c in moments])
+    return list(roots)
 
 
 def variance_sums(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> Tensor:
     """Per tensor of ``params`` with Adam state, the sum of its bias-corrected ``sqrt(v)`` (float32, one
     vector on the tensors' device). One tensor's ``sqrt(v)`` exists at a time: no copy of the whole
     second moment, whose size a large model cannot spare at the freeze."""
-    wanted = {id(p) for p in params}
-    sums: list[Tensor] = []
-    for group in optimizer.param_groups:
-        b2 = group["betas"][1]
-        for p in group["params"]:
-            state = optimizer.state.get(p) if id(p) in wanted else None
-            if state and "exp_avg_sq" in state:
-                correction = 1 / math.sqrt(1 - b2 ** float(state["step"]))
-                sums.append(state["exp_avg_sq"].sqrt().sum(dtype=torch.float32) * correction)
+    sums = [v.sqrt().sum(dtype=torch.float32) * c for v, c in _second_moments(optimizer, params)]
     return torch.stack(sums) if sums else torch.zeros(0)
 
 
