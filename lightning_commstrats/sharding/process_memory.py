@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 COUNTERS = ("rss", "allocated", "reserved")
+LABELS = {"rss": "peak RSS", "allocated": "peak allocated", "reserved": "peak reserved"}  # as the lines print them
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -294,12 +295,16 @@ def host_allocator() -> str:
     for allocator, stem in PRELOADED_ALLOCATORS.items():
         if name.startswith(stem):
             return allocator
+    return "glibc" if _glibc_version() is not None and name.startswith("libc.so") else "unknown"
+
+
+def _glibc_version() -> str | None:
+    """``"glibc 2.36"`` where the C library is glibc, else None."""
     try:
         version = os.confstr("CS_GNU_LIBC_VERSION")
     except (AttributeError, ValueError, OSError):
-        version = None
-    glibc = bool(version and version.startswith("glibc"))
-    return "glibc" if glibc and name.startswith("libc.so") else "unknown"
+        return None
+    return version if version and version.startswith("glibc") else None
 
 
 def fix_mmap_threshold(threshold: int = DEFAULT_MMAP_THRESHOLD, *, trim: bool = True) -> tuple[bool, str]:
@@ -325,7 +330,7 @@ def fix_mmap_threshold(threshold: int = DEFAULT_MMAP_THRESHOLD, *, trim: bool = 
     allocator = host_allocator()
     if allocator != "glibc":
         return False, f"malloc is not glibc's ({allocator}): glibc's mmap threshold does not apply (see its settings)"
-    version = os.confstr("CS_GNU_LIBC_VERSION")
+    version = _glibc_version()
     libc = ctypes.CDLL(None)
     if libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
         return False, f"{version} refused mallopt(M_MMAP_THRESHOLD, {threshold})"
@@ -347,12 +352,11 @@ def format_process_memory(stats: dict[str, dict[str, Any]]) -> str:
     """One line from :meth:`ProcessMemory.stats`: ``peak RSS 1.20 GiB (training 1.10 GiB, sync
     912.0 MiB); cuda:0 peak allocated ..., reserved ...``."""
     parts = []
-    labels = {"rss": "peak RSS", "allocated": "peak allocated", "reserved": "peak reserved"}
     for counter in COUNTERS:
         figures = stats.get(counter)
         if figures is None:
             continue
-        label = labels[counter] if counter == "rss" else f"{figures['device']} {labels[counter]}"
+        label = LABELS[counter] if counter == "rss" else f"{figures['device']} {LABELS[counter]}"
         phases = figures.get("phases") or {}
         if figures.get("note"):
             within = f" (phases not measured: {figures['note']})" if phases else ""
@@ -369,14 +373,13 @@ def format_ranks_peaks(per_rank: list[dict[str, dict[str, Any]]]) -> str:
     (rank 2), smallest 1.10 GiB (rank 0)``. The line a run's memory is judged by: rank 0 is not always
     the largest."""
     parts = []
-    labels = {"rss": "peak RSS", "allocated": "peak allocated", "reserved": "peak reserved"}
     for counter in COUNTERS:
         peaks = [(stats[counter]["peak"], rank) for rank, stats in enumerate(per_rank) if counter in stats]
         if not peaks:
             continue
         (top, top_rank), (low, low_rank) = max(peaks), min(peaks)
         parts.append(
-            f"{labels[counter]} over {len(peaks)} ranks: largest {format_bytes(top)} (rank {top_rank}),"
+            f"{LABELS[counter]} over {len(peaks)} ranks: largest {format_bytes(top)} (rank {top_rank}),"
             f" smallest {format_bytes(low)} (rank {low_rank})"
         )
     return "; ".join(parts)
