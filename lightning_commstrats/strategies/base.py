@@ -548,6 +548,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
         return self.comm
 
     @property
+    def residuals(self) -> str:
+        """Where the scheme's error-feedback residuals wait between steps: ``"device"`` or ``"host"``
+        (the ``residuals`` setting; a periodic scheme's ``outer_state``)."""
+        return self.reducer.residuals
+
+    @property
     def num_models(self) -> int:
         """The models the scheme averages: every rank's, or with ``shard="fsdp"`` every group's."""
         if self.topology is None:  # before the ranks are connected

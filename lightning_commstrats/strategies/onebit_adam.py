@@ -475,11 +475,6 @@ class OneBitAdamStrategy(AllReduceStrategy):
         return True
 
     @property
-    def residuals(self) -> str:
-        """Where the error-feedback residuals wait between steps: ``"device"`` or ``"host"``."""
-        return self.compression.residuals
-
-    @property
     def num_quantization_bits(self) -> int:
         return self.compression.bits
 

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, check_residuals
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
 from lightning_commstrats.compression.exchange import GradientCompression
 from lightning_commstrats.strategies.allreduce import AllReduceStrategy, trainable_params
 from lightning_commstrats.strategies.base import DEFAULT_TIMEOUT
@@ -112,7 +112,6 @@ class OneBitSGDStrategy(AllReduceStrategy):
         residuals: str = "device",
         **kwargs: Any,
     ) -> None:
-        check_residuals(residuals)
         compression = GradientCompression(
             num_quantization_bits,
             distributed_after,
@@ -122,15 +121,14 @@ class OneBitSGDStrategy(AllReduceStrategy):
             residuals=residuals,
         )
         super().__init__(
-            bucket_cap_mb=bucket_cap_mb, backend=backend, timeout=timeout, start_method=start_method, **kwargs
+            bucket_cap_mb=bucket_cap_mb,
+            backend=backend,
+            timeout=timeout,
+            start_method=start_method,
+            residuals=residuals,  # the slow hop's (the reducer's, connected at setup)
+            **kwargs,
         )
         self.compression = compression
-        self.reducer.residuals = residuals  # the slow hop's too (connected at setup)
-
-    @property
-    def residuals(self) -> str:
-        """Where the error-feedback residuals wait between steps: ``"device"`` or ``"host"``."""
-        return self.compression.residuals
 
     @property
     def num_quantization_bits(self) -> int:

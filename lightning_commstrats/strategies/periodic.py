@@ -237,14 +237,11 @@ class PeriodicSyncStrategy(CommStrategy):
             outer_momentum=outer_momentum,
             expert_parallel=expert_parallel,
             shard=kwargs.get("shard"),
+            residuals=kwargs.get("residuals"),
         )
-        if kwargs.get("residuals", outer_state) != outer_state:
-            raise ValueError(
-                f"residuals={kwargs['residuals']!r} with outer_state={outer_state!r}: a periodic scheme keeps its"
-                " slow hop's residuals with its outer state; set outer_state (leave residuals out)"
-            )
         self._outer_factory = resolve_outer_optimizer(outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs)
-        super().__init__(**kwargs)
+        # a slow hop's residuals (warm start, replicas) live with the outer state
+        super().__init__(**{**kwargs, "residuals": outer_state})
         self.sync_period = sync_period
         self.sync_period_unit = sync_period_unit
         self.parallelization_start = parallelization_start
@@ -275,7 +272,6 @@ class PeriodicSyncStrategy(CommStrategy):
         self.outer_state = outer_state
         # expert_parallel=True: the experts spread over each group's ranks (placed at setup)
         self.experts: ExpertPlacement | None = ExpertPlacement() if expert_parallel else None
-        self.reducer.residuals = outer_state  # a slow hop's residuals (warm start, replicas) live with the outer state
         # this replica's membership in a fault-tolerant run (every rank's torchft Manager)
         self.replicas: ReplicaGroup | None = None if ft is None else ReplicaGroup(ft)
         self._run_end = math.inf  # fault tolerance: the optimizer step at which every replica's fit ends

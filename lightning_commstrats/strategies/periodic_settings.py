@@ -52,6 +52,7 @@ def check_periodic_settings(
     outer_momentum: Any,
     expert_parallel: Any,
     shard: Any,
+    residuals: Any = None,
 ) -> FaultTolerance | None:
     """Raise ``ValueError`` for the first setting of a periodic strategy that cannot work, naming it
     (and the other setting it conflicts with); returns the fault-tolerance settings, resolved."""
@@ -64,6 +65,11 @@ def check_periodic_settings(
             " reduces the dense part's gradients inside the group; pass shard='fsdp' and group_size"
         )
     check_outer_state(outer_state)
+    if residuals is not None and residuals != outer_state:
+        raise ValueError(
+            f"residuals={residuals!r} with outer_state={outer_state!r}: a periodic scheme keeps its"
+            " slow hop's residuals with its outer state; set outer_state (leave residuals out)"
+        )
     ft = FaultTolerance.of(fault_tolerance)
     if ft is not None:
         import_torchft()  # without the [ft] extra: the install hint now

@@ -591,11 +591,6 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
         return self.adam.var_freeze_step
 
     @property
-    def residuals(self) -> str:
-        """Where the error-feedback residuals wait between steps: ``"device"`` or ``"host"``."""
-        return self.compression.residuals
-
-    @property
     def num_quantization_bits(self) -> int:
         return self.compression.bits
 
