@@ -106,10 +106,12 @@ def check_units(units: FsdpUnits, tensors: int) -> None:
         )
 
 
-def _local(shape: Sequence[int], group: int) -> int:
+def local_numel(shape: Sequence[int], group: int) -> int:
+    """The values of one rank's FSDP2 shard of a tensor of ``shape`` over ``group`` ranks (its first
+    dimension cut in ``group`` chunks, the last padded)."""
     if not shape:
         return 1
-    return -(-shape[0] // group) * math.prod(shape[1:])
+    return -(-int(shape[0]) // group) * math.prod(int(d) for d in shape[1:])
 
 
 def fsdp_traffic(
@@ -126,7 +128,7 @@ def fsdp_traffic(
     if reshard_after_forward not in RESHARD:
         raise ValueError(f"reshard_after_forward must be None, True or False, got {reshard_after_forward!r}")
     check_units(units, len(shapes))
-    local = [_local(s, group) for s in shapes]
+    local = [local_numel(s, group) for s in shapes]
     every = sum(local)
     if reshard_after_forward is None:
         again = sum(local[i] for u in units.units for i in u)
@@ -176,7 +178,7 @@ def fsdp_gathers(
     if reshard_after_forward not in RESHARD:
         raise ValueError(f"reshard_after_forward must be None, True or False, got {reshard_after_forward!r}")
     check_units(units, len(shapes))
-    whole = [group * _local(s, group) for s in shapes]
+    whole = [group * local_numel(s, group) for s in shapes]
     root = sum(whole[i] for i in units.root)
     largest = max((sum(whole[i] for i in u) for u in units.units), default=0)
     g, r = gather_bytes, reduce_bytes

@@ -71,7 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_commstrats.advisor.fsdp import FsdpUnits, check_units, fsdp_gathers
+from lightning_commstrats.advisor.fsdp import FsdpUnits, check_units, fsdp_gathers, local_numel
 from lightning_commstrats.advisor.inputs import INNER_OPTIMIZERS, PERIODIC, int_setting
 from lightning_commstrats.advisor.memory import Memory
 from lightning_commstrats.advisor.schedule import schedule_of
@@ -202,7 +202,7 @@ def peak_phases(
     check_bytes("activations", activations)
     accelerator = "cpu" if memory.on_device == "host" else "gpu"
     shard = memory.shard
-    local = [_local(s, shard) for s in shapes]
+    local = [local_numel(s, shard) for s in shapes]
     replicas = ranks // shard
     grads = memory.gradients
     forward = backward = 0
@@ -229,12 +229,6 @@ def peak_phases(
         ("sync", sync_transient(scheme, settings, local, memory, replicas, param_width, outer_state, accelerator)),
     )
     return _peak(memory, phases, built, overhead, process)
-
-
-def _local(shape: Sequence[int], shard: int) -> int:
-    if not shape:
-        return 1
-    return -(-int(shape[0]) // shard) * math.prod(int(d) for d in shape[1:])
 
 
 def optimizer_temporaries(optimizer: str, local: Sequence[int], width: int, accelerator: str) -> int:
