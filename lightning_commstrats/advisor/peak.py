@@ -75,7 +75,7 @@ from lightning_commstrats.advisor.fsdp import FsdpUnits, check_units, fsdp_gathe
 from lightning_commstrats.advisor.inputs import INNER_OPTIMIZERS, PERIODIC, int_setting
 from lightning_commstrats.advisor.memory import Memory
 from lightning_commstrats.advisor.schedule import schedule_of
-from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB
+from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, plan_buckets
 from lightning_commstrats.compression.exchange import EXCHANGE_BITS
 from lightning_commstrats.strategies.fragments import fragment_bounds
 
@@ -286,15 +286,10 @@ def sync_transient(
 
 
 def _largest_bucket(sizes: Sequence[int], cap: int) -> int:
-    """The largest fused bucket of tensors of these byte sizes (``buckets.plan_buckets``: in order, a
-    bucket closed when the next tensor would take it over ``cap``; a larger tensor alone)."""
-    largest = used = 0
-    for size in sizes:
-        if used and used + size > cap:
-            used = 0
-        used += size
-        largest = max(largest, used)
-    return largest
+    """The largest fused bucket of tensors of these byte sizes, as the strategies plan them
+    (:func:`~lightning_commstrats.buckets.plan_buckets` over meta tensors of those sizes)."""
+    tensors = [torch.empty(size, dtype=torch.uint8, device="meta") for size in sizes]
+    return max((sum(sizes[i] for i in bucket) for bucket in plan_buckets(tensors, cap)), default=0)
 
 
 def _ring_scratch(bucket: int, replicas: int, accelerator: str) -> int:
