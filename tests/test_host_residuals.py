@@ -72,6 +72,8 @@ def test_a_periodic_scheme_refuses_residuals_apart_from_its_outer_state():
         lc.DiLoCoStrategy(sync_period=2, outer_state="device", residuals="host")
     assert lc.DiLoCoStrategy(sync_period=2, outer_state="host", residuals="host").reducer.residuals == "host"
     assert lc.DiLoCoStrategy(sync_period=2, outer_state="device").reducer.residuals == "device"
+    # "device", the base's default, is what the CLI passes when the setting is not given: it follows outer_state
+    assert lc.DiLoCoStrategy(sync_period=2, outer_state="host", residuals="device").residuals == "host"
 
 
 def test_on_a_cpu_run_the_host_is_the_device_and_nothing_is_copied():

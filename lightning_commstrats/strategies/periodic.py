@@ -240,8 +240,10 @@ class PeriodicSyncStrategy(CommStrategy):
             residuals=kwargs.get("residuals"),
         )
         self._outer_factory = resolve_outer_optimizer(outer_optimizer, outer_lr, outer_momentum, outer_optimizer_kwargs)
-        # a slow hop's residuals (warm start, replicas) live with the outer state
-        super().__init__(**{**kwargs, "residuals": outer_state})
+        # a slow hop's residuals (warm start, replicas) live with the outer state; passed as **kwargs, the
+        # form through which the CLI (jsonargparse) finds the base's settings
+        kwargs["residuals"] = outer_state
+        super().__init__(**kwargs)
         self.sync_period = sync_period
         self.sync_period_unit = sync_period_unit
         self.parallelization_start = parallelization_start

@@ -65,7 +65,9 @@ def check_periodic_settings(
             " reduces the dense part's gradients inside the group; pass shard='fsdp' and group_size"
         )
     check_outer_state(outer_state)
-    if residuals is not None and residuals != outer_state:
+    # residuals="device" is the base's default (what the CLI passes when it is not given): it follows
+    # outer_state; "host" asked of a scheme whose outer state stays on the device is refused
+    if residuals == "host" and outer_state != "host":
         raise ValueError(
             f"residuals={residuals!r} with outer_state={outer_state!r}: a periodic scheme keeps its"
             " slow hop's residuals with its outer state; set outer_state (leave residuals out)"
