@@ -430,11 +430,12 @@ class GradientCompression:
         seen = steps if self.distributed_after_unit == "steps" else samples_seen
         return seen >= self.distributed_after
 
-    def average(self, named: Mapping[str, Tensor], *, samples_seen: int, steps: int) -> list[str]:
+    def average(self, named: Mapping[str, Tensor], *, samples_seen: int, steps: int, commit: bool = True) -> list[str]:
         """Average ``named`` gradients over the bound ranks in place (fp32 during the warm start);
-        returns the names whose average is not finite (see :meth:`TensorExchange.average`)."""
+        returns the names whose average is not finite (see :meth:`TensorExchange.average`).
+        ``commit=False``: the new residuals wait for the exchange's ``commit()`` or ``discard()``."""
         assert self.exchange is not None, "bind() first"
-        return self.exchange.average(named, quantize=self.quantizing(samples_seen, steps))
+        return self.exchange.average(named, quantize=self.quantizing(samples_seen, steps), commit=commit)
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
         return self.exchange.state_dict() if self.exchange is not None else {"residuals": {}, "residuals2": {}}

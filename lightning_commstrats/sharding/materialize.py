@@ -5,10 +5,11 @@ moves, as Lightning's own sharded strategies and torchtitan do:
 
 1. **Build empty.** :func:`parameters_on_meta` is the context of ``init_module(empty_init=True)``
    under ``shard="fsdp"``: every parameter registered inside it moves to the meta device the moment
-   it is registered (no memory, no initialisation: torch's ``nn.init`` functions do nothing inside),
-   while buffers and other tensors (masks, rotary caches, torchmetrics states) are built for real,
-   so they need no initialiser. A ``configure_model`` that builds under ``torch.device("meta")``
-   puts its buffers there too; both are handled alike from here on.
+   it is registered (no memory, no initialisation: torch's ``nn.init`` functions return at once on
+   them), while buffers and other tensors (masks, rotary caches, torchmetrics states, a projection
+   drawn by ``nn.init`` in ``__init__``) are built and drawn for real, so they need no initialiser.
+   A ``configure_model`` that builds under ``torch.device("meta")`` puts its buffers there too; both
+   are handled alike from here on.
 2. **Shard.** ``fully_shard`` works on meta tensors: the parameters become meta DTensors whose
    local shard is ``1 / g`` of each.
 3. **Materialise** (:func:`materialize`): only the tensors on meta get memory on the device, each
@@ -16,12 +17,14 @@ moves, as Lightning's own sharded strategies and torchtitan do:
 
    - a module that defines ``init_weights()`` (torchtitan's name for a model's own initialiser) is
      called, the outermost such module first, and covers everything inside it;
-   - any other module holding meta tensors directly is initialised by its ``reset_parameters()``
-     (how Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy`` materialise: ``nn.Linear``,
-     ``nn.Embedding``, ``nn.LayerNorm``, ``nn.LSTM`` all have one), in reverse order of
-     ``named_modules()``: a module after the modules inside it, and a weight tied to an earlier
-     module (an output layer tied to the embedding) initialised as that module does, as a tie made
-     in ``__init__`` leaves it.
+   - any other module holding meta tensors, itself or in its children, is initialised by its
+     ``reset_parameters()`` (how Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy``
+     materialise: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.LSTM`` all have one), in
+     reverse order of ``named_modules()``: a module after the modules inside it (an MoE layer redraws
+     its router, a child ``Linear``, with its own std after the ``Linear``'s default), and a weight
+     tied to an earlier module (an output layer tied to the embedding) initialised as that module does,
+     as a tie made in ``__init__`` leaves it. The padding row of an embedding with a ``padding_idx``
+     is zeroed in this rank's shard afterwards (:func:`zero_padding_rows`).
 
    A module with meta tensors and neither hook is refused before anything is allocated
    (:func:`check_initialisable`), naming it: its weights would be whatever the allocator left.
@@ -33,18 +36,23 @@ moves, as Lightning's own sharded strategies and torchtitan do:
    is another NaN and passes. Smaller floats, complex, integer and boolean tensors are not checked.
 
 Random initialisers on sharded tensors draw from each rank's own generator; on CPU torch gives every
-rank of a group the same stream, so every shard would repeat the first. :func:`materialize` draws
-rank ``i`` of a group from the seed ``initial_seed + i`` (the generators are restored afterwards),
-so the shards differ and every group draws the same model. No Lightning here.
+rank of a group the same stream, so every shard would repeat the first. :func:`materialize` seeds
+every initialiser by its place and by this rank's place along the dimension its tensors are split over
+(the generators are restored afterwards): the shards of a group differ, every group draws the same
+model, and tensors a strategy keeps apart per rank (experts) differ where they are held apart. No
+Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_commstrats.sharding.layout import is_dtensor, local
 
@@ -60,13 +68,25 @@ MARKS: dict[torch.dtype, tuple[torch.dtype, int]] = {
 }
 
 
+class _SkipMetaInit(TorchFunctionMode):
+    """``torch.nn.init`` calls on meta tensors return at once; every other draw runs. Lightning's
+    ``_EmptyInit`` skips them all, which leaves a buffer drawn in ``__init__`` holding whatever the
+    allocator left (buffers are built for real here, and nothing initialises them later)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            target = kwargs.get("tensor", args[0] if args else None)
+            if isinstance(target, Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Parameters registered inside go to the meta device as they are registered, uninitialised;
     everything else is built as usual (see the module docstring). A parameter already on meta (a
     tied weight assigned to a second module) is kept as it is, so ties stay ties."""
-    from lightning.fabric.utilities.init import _EmptyInit
-
     register = nn.Module.register_parameter
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -80,7 +100,7 @@ def parameters_on_meta() -> Iterator[None]:
         module._parameters[name] = moved
 
     with ExitStack() as stack:
-        stack.enter_context(_EmptyInit(enabled=True))
+        stack.enter_context(_SkipMetaInit())
         nn.Module.register_parameter = to_meta  # type: ignore[method-assign]
         stack.callback(setattr, nn.Module, "register_parameter", register)
         yield
@@ -111,11 +131,11 @@ def _plan(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str,
             covered.append(name)
             continue
         meta = _meta_direct(module)
-        if not meta:
-            continue
-        if callable(getattr(module, "reset_parameters", None)):
+        if callable(getattr(module, "reset_parameters", None)) and (meta or has_meta(module)):
+            # also a module whose meta tensors sit in its children: its reset runs after theirs and
+            # redraws what it owns its way (an MoE layer's router, a child Linear of its own std)
             resets.append((name, module))
-        else:
+        elif meta:
             shown = f"{name or '(the root)'} ({type(module).__name__}: {', '.join(meta[:4])})"
             missing.append(shown)
     return own, resets, missing
@@ -158,17 +178,79 @@ def _named_tensors(root: nn.Module) -> dict[str, Tensor]:
     return {n: local(t) for n, t in (*root.named_parameters(), *root.named_buffers()) if t is not None}
 
 
-def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[list[str], list[str]]:
+def _stream_seed(base: int, ordinal: int, stream: int) -> int:
+    """The seed of initialiser ``ordinal``'s draws on a rank whose place along that initialiser's
+    tensors is ``stream``: independent of every other (ordinal, stream) pair, the same on every rank
+    with the same pair."""
+    digest = hashlib.blake2b(f"{base}:{ordinal}:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _module_tensors(module: nn.Module) -> list[Tensor]:
+    return [t for t in (*module.parameters(), *module.buffers()) if t is not None]
+
+
+def zero_padding_rows(root: nn.Module, modules: Collection[nn.Module]) -> None:
+    """Zero the padding row of every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``modules`` that has a
+    ``padding_idx``, in this rank's shard. Their ``reset_parameters`` zero it by indexing the weight,
+    which on a sharded DTensor writes into a redistributed copy and leaves the shard's row as drawn
+    (a row that never gets a gradient: random for the whole run)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for module in modules:
+        pad = getattr(module, "padding_idx", None)
+        if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or pad is None:
+            continue
+        weight = module.weight
+        with torch.no_grad():
+            if not is_dtensor(weight):
+                weight[pad].zero_()
+                continue
+            shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+            row = pad - offset[0]
+            if 0 <= row < shape[0]:
+                local(weight)[row].zero_()
+
+
+def materialize(
+    root: nn.Module,
+    device: torch.device,
+    index: int = 0,
+    *,
+    kept: Collection[Tensor] = (),
+    kept_index: int = 0,
+) -> tuple[list[str], list[str]]:
     """Give ``root``'s meta tensors memory on ``device`` (this rank's local shards only) and initialise
-    them (see the module docstring); ``index`` is this rank's place in its group, which offsets the
-    seed of its draws. Returns ``(called, unwritten)``: the names of the initialisers called, in order,
-    and of the marked tensors no initialiser wrote (still marked in this rank's shard: a rank whose
-    shard of a tensor is empty cannot see it, so the caller agrees on them across ranks)."""
+    them (see the module docstring). Returns ``(called, unwritten)``: the names of the initialisers
+    called, in order, and of the marked tensors no initialiser wrote (still marked in this rank's shard:
+    a rank whose shard of a tensor is empty cannot see it, so the caller agrees on them across ranks).
+
+    Seeds follow the mesh: each initialiser draws from a seed of its own (its place in the plan and
+    ``torch.initial_seed()``) and of this rank's place along the dimension its tensors are split over:
+    ``index``, this rank's place in its FSDP2 group, for sharded and replicated tensors (the shards of a
+    group differ, every group draws the same); ``kept_index`` for an initialiser whose tensors are all in
+    ``kept``, tensors the strategy keeps whole and apart on each rank (expert parallelism's experts, by
+    the expert-parallel rank: ranks holding other experts draw other experts, replicas of the same
+    experts the same). An initialiser over both kinds (a model's ``init_weights()``, an MoE layer's
+    ``reset_parameters``) draws from a stream unique to the pair, and the strategy's broadcast of the
+    initial weights makes equal what must be equal."""
     own, resets, missing = _plan(root)
     if missing:
         check_initialisable(root)
     # the tensors given memory below that can hold a mark (a meta tensor knows its dtype)
     marked = [n for n, t in _named_tensors(root).items() if t.is_meta and t.dtype in MARKS]
+    kept_ids = {id(t) for t in kept}
+    # which stream each initialiser draws from, decided while the tensors are still the meta ones
+    streams: list[int] = []
+    for _, module in (*own, *reversed(resets)):
+        held = [id(t) in kept_ids for t in _module_tensors(module) if t.is_meta]
+        if held and all(held):
+            streams.append(kept_index)
+        elif any(held):
+            streams.append((1 << 20) + (index << 10) + kept_index)
+        else:
+            streams.append(index)
+    materialised = [m for m in root.modules() if _meta_direct(m)]
 
     if any(is_dtensor(p) for p in root.parameters()):
         # FSDP2's own _apply re-registers the sharded parameters afterwards
@@ -177,19 +259,20 @@ def materialize(root: nn.Module, device: torch.device, index: int = 0) -> tuple[
         _allocate_plain(root, device)
     devices = [device] if device.type == "cuda" else []
     called = []
+    base = torch.initial_seed()
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         tensors = _named_tensors(root)
         for name in marked:  # what no initialiser writes keeps the mark, bit for bit, and is found below
             as_int, mark = MARKS[tensors[name].dtype]
             tensors[name].view(as_int).fill_(mark)
-        seed = (torch.initial_seed() + index) % (1 << 63)
-        torch.manual_seed(seed)
-        for name, module in own:
-            getattr(module, INIT_HOOK)()
-            called.append(f"{name or type(root).__name__}.{INIT_HOOK}")
-        for name, module in reversed(resets):  # inner before outer, and a tied weight keeps its first holder's
-            module.reset_parameters()  # type: ignore[operator]
-            called.append(f"{name}.reset_parameters")
+        calls = [(name, module, INIT_HOOK) for name, module in own]
+        # inner before outer, and a tied weight keeps its first holder's
+        calls += [(name, module, "reset_parameters") for name, module in reversed(resets)]
+        for ordinal, ((name, module, hook), stream) in enumerate(zip(calls, streams, strict=True)):
+            torch.manual_seed(_stream_seed(base, ordinal, stream))
+            getattr(module, hook)()
+            called.append(f"{name or type(root).__name__}.{hook}")
+        zero_padding_rows(root, materialised)
     tensors = _named_tensors(root)
     still = [n for n, t in tensors.items() if t.is_meta]
     if still:

@@ -104,13 +104,17 @@ class AllReduceStrategy(CommStrategy):
 
     def exchange_compressed(self, compression: GradientCompression, params: Sequence[torch.nn.Parameter]) -> None:
         """Average the gradients of ``params`` through ``compression``: quantized matrices (after its
-        warm start) and fp32 small tensors."""
-        self.bind_compression(compression)
+        warm start) and fp32 small tensors. The new error-feedback residuals wait for the step's vote
+        (:meth:`~lightning_commstrats.strategies.reducer.Reducer.hold`): this rank's averages can be
+        finite while another rank's, of another shard, are not, and then every rank skips the step."""
+        exchange = self.bind_compression(compression)
         bad = compression.average(
             {self.param_name(p): local(dense_grad(p)) for p in params},
             samples_seen=self._samples_at_step * self.world_size,
             steps=self.optimizer_steps,
+            commit=False,
         )
+        self.reducer.hold(exchange)
         self.report_nonfinite(bad)
 
     @override

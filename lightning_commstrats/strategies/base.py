@@ -454,6 +454,11 @@ class CommStrategy(RankDevices, ParallelStrategy):
         experts of expert parallelism); none by default."""
         return set()
 
+    def kept_whole_index(self) -> int:
+        """This rank's place along the dimension :meth:`params_kept_whole` are split over (the ranks
+        holding other such tensors draw other values when built empty); 0 by default."""
+        return 0
+
     def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
         """Whether ``p`` is an expert this rank owns (expert parallelism); none by default."""
         return False
@@ -521,7 +526,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
             self.sharding.shard_module(module, dtypes, ignored=self.params_kept_whole())
         if empty:
             index = self.sharding.index if self.sharding is not None else 0
-            called, unwritten = materialize(module, self.root_device, index)
+            kept, kept_index = self.params_kept_whole(), self.kept_whole_index()
+            called, unwritten = materialize(module, self.root_device, index, kept=kept, kept_index=kept_index)
             unwritten = self.agree_on_names(unwritten)  # a rank whose shard is empty sees nothing
             if unwritten:
                 raise unwritten_error(unwritten, called)

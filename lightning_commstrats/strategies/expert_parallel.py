@@ -185,6 +185,13 @@ class ExpertParallelStrategy(AllReduceStrategy):
         return set(self.expert_params())
 
     @override
+    def kept_whole_index(self) -> int:
+        # built empty, the experts are drawn by the expert-parallel rank, not by the FSDP2 group's
+        # index (the data-parallel one with inner="dp": every expert-parallel rank would draw the same)
+        assert self.ep_comm is not None
+        return self.ep_comm.rank
+
+    @override
     def is_expert_param(self, name: str, p: torch.nn.Parameter) -> bool:
         return any(p is q for layer in self.moe_layers() for q in layer.experts.parameters())
 

@@ -54,6 +54,7 @@ class Reducer:
         self._world: Communicator | None = None
         self._replicas: Communicator | None = None
         self._fused: dict[str, BucketedAllReduce] = {}
+        self._held: list[Any] = []  # exchanges whose residuals wait for the step's vote
 
     def __repr__(self) -> str:
         return f"Reducer(gradients by {self.hop!r})" if self.hop is not None else "Reducer(flat)"
@@ -128,15 +129,28 @@ class Reducer:
 
     # ------------------------------------------------------------------ the step's vote
 
+    def hold(self, exchange: Any) -> None:
+        """``exchange`` (with ``commit()`` and ``discard()``: a scheme's compressed gradient exchange)
+        made residuals with ``commit=False``: they move with the step's vote, as the hop's do."""
+        if not any(exchange is e for e in self._held):
+            self._held.append(exchange)
+
     def commit(self) -> None:
-        """The step runs: keep the hop's residuals held since the last decision."""
+        """The step runs: keep the residuals held since the last decision (the hop's and those of the
+        exchanges given to :meth:`hold`)."""
         if self.hop is not None:
             self.hop.commit()
+        for exchange in self._held:
+            exchange.commit()
+        self._held.clear()
 
     def discard(self) -> None:
         """Every rank skips the step (or it raised): drop them, the old ones stay."""
         if self.hop is not None:
             self.hop.discard()
+        for exchange in self._held:
+            exchange.discard()
+        self._held.clear()
 
     # ------------------------------------------------------------------ buffers kept between calls
 

@@ -664,6 +664,9 @@ class ZeroOneAdamStrategy(AllReduceStrategy):
             self._nonfinite_names = []
             if self.world_size > 1:
                 self.exchange_compressed(self.compression, params)
+            # the sync's residuals kept only with a sync that counts, as at a step's vote (unsharded:
+            # every rank holds the same averages, so every rank decides alike)
+            self.reducer.discard() if self._nonfinite_names else self.reducer.commit()
             if self._nonfinite_names:
                 self.adam.abandon(optimizer, params, names)
                 rank_zero_warn(

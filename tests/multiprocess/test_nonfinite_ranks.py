@@ -88,6 +88,36 @@ def test_skip_policy_skips_the_step_on_every_rank_and_changes_no_state():
             assert torch.equal(v, r1["params"][k]), (name, k)
 
 
+def test_a_skipped_step_leaves_every_residual_of_a_sharded_compressed_exchange_on_every_rank():
+    """Sharded (2 groups of 2), an inf in rank 1's shard: the exchange of shard 0 (ranks 0 and 2) is
+    finite, that of shard 1 is not, and every rank skips the step. The compressed exchange's residuals
+    used to move on ranks 0 and 2 all the same (committed at their own exchange, before the step's
+    vote), so the ranks' states parted; now they wait for the vote on every rank."""
+    shard = {"shard": "fsdp", "group_size": 2, "shard_policy": {"min_unit_numel": 1}}
+    scenarios = {
+        "onebit": _trace_scenario("onebit_sgd", {"small_tensor_numel": 64, "nonfinite": "skip", **shard}),
+        "expert_parallel": {
+            **_trace_scenario(
+                "expert_parallel",
+                {"ep_size": 2, "num_quantization_bits": 1, "small_tensor_numel": 16, "nonfinite": "skip", **shard},
+            ),
+            "model": "moe",
+        },
+    }
+    for sc in scenarios.values():
+        sc["devices"] = 4
+    results = run_ranks({"scenarios": scenarios}, 4, timeout=400)
+    for name in scenarios:
+        for rank, res in enumerate(results):
+            states = res[name]["states"]
+            assert [s["skipped"] for s in states] == [i == SKIP for i in range(6)], (name, rank)
+            residuals = states[SKIP]["rank"]["residuals"]
+            assert residuals, (name, rank)  # there are residuals to keep
+            assert equal(residuals, states[SKIP - 1]["rank"]["residuals"]), (name, rank)
+            assert equal(states[SKIP]["rank"]["residuals2"], states[SKIP - 1]["rank"]["residuals2"]), (name, rank)
+            assert not equal(states[SKIP + 1]["rank"]["residuals"], residuals), (name, rank)  # the next step moves them
+
+
 def test_raise_policy_stops_every_rank_naming_the_parameter():
     scenarios = {"raise": _trace_scenario("onebit_sgd", {"small_tensor_numel": 64})}
     with pytest.raises(RuntimeError, match="failed") as info:

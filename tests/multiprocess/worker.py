@@ -60,6 +60,7 @@ from lightning_commstrats import CommStatsMonitor
 from lightning_commstrats.callbacks import format_summary
 from lightning_commstrats.data import StreamWindows
 from lightning_commstrats.models import LanguageModel
+from lightning_commstrats.sharding import local
 
 
 class Mlp(BoringModel):
@@ -295,7 +296,7 @@ class InjectInf(L.Callback):
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             named = pl_module.named_parameters()
             param = next(p for n, p in named if p.grad is not None and self.name in n)
-            param.grad.view(-1)[0] = self.value
+            local(param.grad).view(-1)[0] = self.value  # sharded: into this rank's shard
 
 
 class ScaleExpertGrads(L.Callback):
@@ -490,7 +491,7 @@ def clone(value: Any) -> Any:
 
 
 def flat(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+    return torch.cat([local(p).detach().reshape(-1) for p in module.parameters()]).clone()
 
 
 def run_scenario(name: str, sc: dict[str, Any], out: Path) -> tuple[int, dict[str, Any]]:
