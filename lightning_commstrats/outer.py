@@ -10,7 +10,8 @@ is handed to an outer optimizer that steps the global copy, and every rank resta
 start point. Which outer optimizer makes which scheme:
 
 - model averaging: ``torch.optim.SGD(lr=1, momentum=0)``: ``w = w_start - G = mean(w_local)``;
-- DiLoCo (Douillard et al. 2023): ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``;
+- DiLoCo (Douillard et al. 2023): ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)`` in the paper, momentum
+  0.5 by default here (see :class:`~lightning_commstrats.strategies.diloco.DiLoCoStrategy`);
 - BMUF (Chen & Huo 2016): :class:`BlockMomentum`, the block-momentum filter as the paper writes
   it, or :class:`CNTKBlockMomentum`, as CNTK's ``BlockMomentumSGD`` computes it;
 - any other ``torch.optim.Optimizer`` (Adam as the outer optimizer, say) by class.

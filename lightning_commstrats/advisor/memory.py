@@ -27,6 +27,7 @@ from lightning_commstrats.compression.rows import resolve_count
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.outer import OUTER_STATES
 from lightning_commstrats.strategies.fragments import fragment_bounds
+from lightning_commstrats.strategies.periodic_settings import DILOCO_OUTER_MOMENTUM
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ def _periodic_state(
     if scheme == "bmuf":
         parts.append(("block momentum", 4 * numel, home))
     elif scheme in ("diloco", "streaming_diloco"):
-        momentum = settings.get("outer_momentum", 0.9)
+        momentum = settings.get("outer_momentum", DILOCO_OUTER_MOMENTUM)
         if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0 <= momentum < 1:
             raise ValueError(f"settings: outer_momentum must be a number in [0, 1), got {momentum!r}")
         if momentum > 0:

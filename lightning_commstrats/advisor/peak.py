@@ -78,6 +78,7 @@ from lightning_commstrats.advisor.schedule import schedule_of
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, plan_buckets
 from lightning_commstrats.compression.exchange import EXCHANGE_BITS
 from lightning_commstrats.strategies.fragments import fragment_bounds
+from lightning_commstrats.strategies.periodic_settings import DILOCO_OUTER_MOMENTUM
 
 MIB = 1 << 20
 # The process's own growth during fit on a CPU host beyond every tensor the phases count: the largest
@@ -272,7 +273,8 @@ def sync_transient(
                 launch += fragment + _ring_scratch(bucket, replicas, accelerator)
             else:  # the decoded average, the new residuals beside the old, a codec's scratch
                 launch += 2 * fragment + residuals
-        nesterov = scheme in ("diloco", "streaming_diloco") and settings.get("outer_momentum", 0.9) > 0
+        momentum = settings.get("outer_momentum", DILOCO_OUTER_MOMENTUM)
+        nesterov = scheme in ("diloco", "streaming_diloco") and momentum > 0
         outer = 2 * fragment if nesterov else fragment  # the pseudo-gradient, Nesterov's grad.add(buf)
         return max(launch, outer)
     if replicas == 1:  # nothing crosses groups

@@ -12,6 +12,12 @@ from lightning_commstrats.outer import check_outer_state
 UNITS = ("samples", "steps")
 PSEUDO_GRAD_BITS = (2, 4, 8, 16, 32)
 OUTER_ARGUMENTS = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_optimizer_kwargs")
+# DiLoCo's outer Nesterov SGD by default (diloco, streaming_diloco, the advisor). In steady state, on
+# pseudo-gradients that keep their direction from one sync to the next, it moves the global model by
+# outer_lr / (1 - outer_momentum) times their average: 1.4x here. The paper's 0.7 and 0.9 make it 7x,
+# which a short run trained from scratch does not survive (benchmarks/results/diloco_defaults/).
+DILOCO_OUTER_LR = 0.7
+DILOCO_OUTER_MOMENTUM = 0.5
 
 
 def check_period(sync_period: Any, sync_period_unit: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_commstrats.strategies.diloco import DiLoCoStrategy
+from lightning_commstrats.strategies.periodic_settings import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
 
 
 class StreamingDiLoCoStrategy(DiLoCoStrategy):
@@ -52,7 +53,8 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
       ``+-scale * 2^e`` for ``e`` in -6..0 and zero on one float32 scale per row (its largest
       magnitude; the paper does not say how it scales). ``benchmarks/results/codec_quality/``
       compares the two. 8 or 2 bits also work (uniform only).
-    - ``sync_period``, ``outer_lr``, ``outer_momentum``, ``outer_optimizer``: as ``diloco``.
+    - ``sync_period``, ``outer_lr``, ``outer_momentum``, ``outer_optimizer``: as ``diloco`` (0.7 and
+      0.5 by default, each fragment's outer step as DiLoCo's; the paper's outer momentum is 0.9).
 
     The phase: a fragment's exchange starts at its turn (when its block of ``H`` inner steps ends)
     and lands ``tau`` steps later. torchft starts it ``tau`` steps before the turn and lands it at
@@ -107,8 +109,8 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
         pseudo_grad_bits: int = 4,
         pseudo_grad_codec: str = "uniform",
         outer_optimizer: Any = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float = DILOCO_OUTER_LR,
+        outer_momentum: float = DILOCO_OUTER_MOMENTUM,
         outer_optimizer_kwargs: dict[str, Any] | None = None,
         parallelization_start: int = 0,
         reset_sgd_momentum: bool = False,

@@ -19,7 +19,15 @@ Sharded parameters (``shard="fsdp"``) are gathered whole inside their group.
 Scenario keys: ``strategy`` (registry name), ``kwargs`` (strategy arguments), ``max_steps``,
 ``batch_size``, ``optimizer`` (``{"name": "sgd" | "adamw", **torch arguments}``), ``seed``,
 ``same_seed`` (every rank builds the model from the same seed; needed with ``shard="fsdp"``, where
-each rank shards its own build).
+each rank shards its own build), ``inject_inf`` (``[step, rank, name]``: rank ``rank``'s gradient of
+parameter ``name`` at optimizer step ``step``, 0-based, gets an inf as its first value, after backward
+and before the strategy's exchange), ``ckpt_every`` (a Lightning checkpoint every that many optimizer
+steps, ``OUT_DIR/<scenario>/step=<s>.ckpt``), ``resume`` (``[scenario, step]``: fit starts from that
+checkpoint of an earlier scenario of the same spec; ``start`` is then the checkpoint's model, the
+global one for a periodic scheme), ``epoch_steps`` (the data set holds that many steps of every rank's
+batches, default ``max_steps``: a run resumed from a checkpoint taken at the end of an epoch trains on
+the batches the uninterrupted run trained on, whether or not Lightning replays an epoch it resumes
+inside).
 """
 
 from __future__ import annotations
@@ -91,14 +99,41 @@ class Record(L.Callback):
         self.steps.append(params(pl_module))
 
 
-def run_scenario(sc: dict[str, Any], rank_hint: int, world: int) -> tuple[int, dict[str, Any]]:
+class InjectInf(L.Callback):
+    """An inf as the first value of one parameter's gradient, on one rank at one optimizer step."""
+
+    def __init__(self, step: int, rank: int, name: str) -> None:
+        self.step, self.rank, self.name = step, rank, name
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            grad = dict(pl_module.named_parameters())[self.name].grad
+            assert grad is not None
+            grad.view(-1)[0] = float("inf")
+
+
+def run_scenario(name: str, sc: dict[str, Any], rank_hint: int, world: int, out: Path) -> tuple[int, dict[str, Any]]:
     steps, batch_size = sc.get("max_steps", 8), sc.get("batch_size", 4)
     seed = sc.get("seed", 7)
     L.seed_everything(seed if sc.get("same_seed") else seed + 100 * rank_hint, verbose=False)
-    model = Regression(sc.get("optimizer", {"name": "sgd", "lr": 0.1}), batch_size, steps * batch_size * world)
+    epoch = sc.get("epoch_steps") or steps  # optimizer steps per epoch
+    model = Regression(sc.get("optimizer", {"name": "sgd", "lr": 0.1}), batch_size, epoch * batch_size * world)
     built = params(model)
     strategy = L.pytorch.strategies.StrategyRegistry[sc["strategy"]]["strategy"](**sc.get("kwargs", {}))
     record = Record()
+    callbacks: list[L.Callback] = [record]
+    if sc.get("inject_inf"):
+        callbacks.append(InjectInf(*sc["inject_inf"]))
+    if sc.get("ckpt_every"):
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=out / name, filename="{step}", every_n_train_steps=sc["ckpt_every"], save_top_k=-1
+            )
+        )
+    ckpt_path = None
+    if sc.get("resume"):
+        source, step = sc["resume"]
+        ckpt_path = out / source / f"step={step}.ckpt"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
@@ -107,12 +142,12 @@ def run_scenario(sc: dict[str, Any], rank_hint: int, world: int) -> tuple[int, d
         num_sanity_val_steps=0,
         limit_val_batches=0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(sc.get("ckpt_every")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[record],
+        callbacks=callbacks,
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return trainer.global_rank, {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -132,7 +167,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])  # read once: a fit's teardown may leave the environment without it
     results, rank = {}, 0
     for name, sc in spec["scenarios"].items():
-        rank, results[name] = run_scenario(sc, rank_hint, world)
+        rank, results[name] = run_scenario(name, sc, rank_hint, world, out)
     save_and_leave(results, out, rank)
 
 

@@ -61,12 +61,18 @@ def test_bad_arguments_fail_at_construction(cls, kwargs, message):
         cls(**kwargs)
 
 
-def test_defaults_are_the_papers():
+def test_defaults_are_the_papers_but_the_outer_momentum():
     d = DiLoCoStrategy()
     assert (d.sync_period, d.sync_period_unit, d.pseudo_grad_bits, d.num_fragments) == (500, "steps", 32, 1)
-    opt = d.outer_factory()([torch.nn.Parameter(torch.zeros(1))])
-    group = opt.param_groups[0]
-    assert isinstance(opt, torch.optim.SGD) and (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)
+    # the paper's outer Nesterov SGD at lr 0.7, its momentum 0.5 instead of 0.9 (a steady-state gain of
+    # 1.4x instead of 7x: benchmarks/results/diloco_defaults/); the same for the streaming form
+    for strategy in (d, StreamingDiLoCoStrategy()):
+        opt = strategy.outer_factory()([torch.nn.Parameter(torch.zeros(1))])
+        group = opt.param_groups[0]
+        assert isinstance(opt, torch.optim.SGD)
+        assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.5, True)
+    paper = DiLoCoStrategy(outer_momentum=0.9).outer_factory()([torch.nn.Parameter(torch.zeros(1))])
+    assert paper.param_groups[0]["momentum"] == 0.9
     s = StreamingDiLoCoStrategy()
     assert (s.sync_period, s.num_fragments, s.fragment_sync_delay, s.pseudo_grad_bits) == (100, 4, 5, 4)
     assert s.pseudo_grad_codec == d.pseudo_grad_codec == "uniform"  # not the paper's E3M0 unless asked
