@@ -22,9 +22,19 @@ Schemes (one function each), with ``mean`` the average over the ``N`` workers:
 - :func:`bmuf` (Chen & Huo, ICASSP 2016, the paper's form): at a block's end ``w_avg = mean_m w_m``,
   ``G = w_avg - w_start``, ``delta = bm delta + blr G``, ``w_global += delta``; the next block starts
   from ``w_global + bm delta`` (Nesterov) or ``w_global``.
-- :func:`diloco` at 32 bits (Douillard et al. 2023): ``G = w_global - mean_m w_m``; outer Nesterov
+- :func:`diloco` (Douillard et al. 2023): ``G = w_global - mean_m w_m``; outer Nesterov
   SGD with momentum ``mu``, ``buf = mu buf + G``, ``update = G + mu buf`` (``buf`` without Nesterov),
-  ``w_global -= lr update``; every worker restarts from ``w_global``.
+  ``w_global -= lr update``; every worker restarts from ``w_global``. Below 32 bits (INTELLECT-1's 8)
+  ``G`` is the compressed average of the workers' ``w_global - w_m`` (:class:`Exchange`).
+- :func:`streaming_diloco` (Douillard et al. 2025): DiLoCo on ``F`` fragments of the model taking turns,
+  each fragment's outer step landing ``tau`` steps after its turn and mixed into the workers' weights
+  by ``alpha`` (see the function).
+- :func:`onebit_sgd` (Seide et al. 2014): :func:`allreduce` whose gradients are averaged by
+  :class:`Exchange` at 1 bit per value (or ``num_quantization_bits``) with error feedback.
+- :class:`Exchange`: the compressed average of ``DESIGN.md``'s 1-bit SGD (two stages, each with its
+  error-feedback residual), with 1-bit SGD's codec (``onebit_reference.compress``, from the paper) or
+  the uniform n-bit grid written from the docstring of ``compression/quantizers.py`` (a description,
+  not its code: its float32 operations in the order it states them).
 
 Where the package's documented behaviour goes beyond (or departs from) the papers, the reference
 follows the package's documentation, and says so here:
@@ -45,18 +55,30 @@ follows the package's documentation, and says so here:
 - BMUF's default block momentum is ``1 - 1/N`` with ``N`` the number of *workers* (model replicas:
   groups of ranks when sharded), block learning rate 1, Nesterov on. CNTK's own form (summed block
   gradients, ``sg``, no separate global model) is not this function.
-- DiLoCo's defaults: outer lr 0.7, momentum 0.9, Nesterov (on whenever the momentum is > 0), the
-  period in steps; BMUF's and model averaging's period defaults to samples per worker (CNTK's unit).
+- DiLoCo's (and Streaming DiLoCo's) defaults: outer lr 0.7, momentum 0.5 (the package's default; the
+  paper's is 0.9), Nesterov (on whenever the momentum is > 0), the period in steps; BMUF's and model
+  averaging's period defaults to samples per worker (CNTK's unit).
+- ``nonfinite="skip"`` (``inject`` puts an inf in a rank's gradient): a gradient scheme skips the step
+  on every worker (no update, no optimizer state, no residual moves); a periodic scheme whose averaged
+  pseudo-gradient is not finite discards the block (no outer step, no residual moves, every worker
+  restarts from ``w_global``). A worker that trained on an inf inside a block carries it in its local
+  weights (and its inner optimizer's state) until the block ends.
+- Compressed exchanges: matrices of more than ``small_tensor_numel`` values travel quantized, one scale
+  pair per row (periodic schemes, ``pseudo_grad_scales="rows"``) or column (1-bit SGD); 1-D and
+  smaller tensors in float32. An input holding an inf or a NaN is sent as NaN.
 
-Not modelled (the tests do not use them): a warm start (``parallelization_start``), module buffers
-(the package averages floating-point buffers at each sync; the tests' model has none), model
-averaging's ``average_optimizer_state`` and ``weighting="samples"``, compressed pseudo-gradients,
-fragments (Streaming DiLoCo), gradient accumulation and clipping, learning-rate schedules.
+Not modelled (the tests do not use them): a warm start (``parallelization_start``, 1-bit SGD's
+``distributed_after``), module buffers (the package averages floating-point buffers at each sync; the
+tests' model has none), model averaging's ``average_optimizer_state`` and ``weighting="samples"``, the
+E3M0, top-k and statistical codecs, 16 bits, compressed exchanges of sharded workers, Streaming
+DiLoCo's ``keep_local_progress`` (and an ``H`` that ``F`` does not divide), gradient accumulation and
+clipping, learning-rate schedules.
 
 ``reduce="sum"`` is a negative control for the tests, not a scheme: what an exchange that sums
 over workers instead of averaging would compute (gradients summed; the workers' pseudo-gradients
 ``w_start - w_m`` summed, so the "average" model is ``w_start - sum_m (w_start - w_m)``). A test
-shows the real run is far from it, i.e. that its tolerance can tell a wrong average.
+shows the real run is far from it, i.e. that its tolerance can tell a wrong average. Likewise
+``error_feedback=False`` (residuals dropped) for the compressed exchanges.
 
 Arithmetic: float32 throughout, as the models are. Sums over workers run in worker order
 ``((x_0 + x_1) + x_2) + ...``, then divide by ``N`` (exact for ``N`` a power of two: ``sum / N`` is
@@ -103,7 +125,8 @@ class Run:
         discarded: the steps after which a block's average was not finite and was discarded
             (``nonfinite="skip"``); for the gradient schemes, the steps skipped (0-based).
         exchange: the compressed exchange, when there is one (its residuals, the codec's half steps).
-        dropped: (Streaming DiLoCo) per fragment landed after the last step, the progress it discarded.
+        dropped: (Streaming DiLoCo) per fragment landing after the last step, the largest magnitude of the
+            workers' mean progress since its turn that its mixing discarded (none left to merge).
         global_steps: (DiLoCo, Streaming DiLoCo) the global model after every optimizer step (what a
             checkpoint saved then holds as the model).
     """
@@ -783,10 +806,15 @@ def streaming_diloco(
       every fragment whose block began before ``T`` is merged without an outer step,
       ``w_{global,f} -= mean_m (w_{global,f} - w_{m,f})``, and every rank ends with ``w_global``.
 
+    ``reset_sgd_momentum`` zeroes the first moments of the landed fragment's parameters only.
+
     Its ``history`` is the package's ``sync_history``: ``(f, t, step applied after)`` per landing and
-    merge. ``dropped`` (per fragment landed at ``T`` itself inside the loop) is the largest magnitude of
-    the workers' mean progress on that fragment between its turn and ``T``, which its mixing at
-    ``alpha = 0`` discarded and the end-of-fit merge no longer sees. Not modelled: ``H`` not a
+    merge. The package's docstring says the end of fit adds "each fragment's progress since its turn";
+    what it does (and this function) is the rule above: a fragment whose exchange landed after its turn
+    was mixed at the landing, so the merge sees its progress since the landing only. When that landing
+    is after the last step ``T`` itself, the fragment ends without ``(1 - alpha)`` of the workers' mean
+    progress of steps ``t + 1 .. T``: ``dropped[f]`` is its largest magnitude (also when the exchange
+    in flight lands at the end of fit, ``tau`` >= 2 steps after a turn before ``T``). Not modelled: ``H`` not a
     multiple of ``F``, ``keep_local_progress``, a non-finite average."""
     _check(reduce)
     h, nf, tau, alpha = sync_period, num_fragments, fragment_sync_delay, fragment_update_alpha
@@ -834,14 +862,19 @@ def streaming_diloco(
             w.zero_first_moments(fragments[f])
         run.history.append((f, turn, now))
 
+    def note_dropped(f: int, turn: int) -> None:
+        """A landing after the last step: the progress since the turn that its mixing discards for good."""
+        if turn < w.steps:
+            progress = mean([w.weights(m)[spans[f]] - at_turn[f][m] for m in range(w.n)])
+            run.dropped[f] = (1 - alpha) * progress.abs().max().item()
+
     for t in range(w.steps):
         w.local_step(t)
         now = t + 1
         if inflight is not None and now == inflight[2]:
             f, turn, _, g = inflight
-            if now == w.steps:  # the progress since the turn that this landing's mixing discards
-                progress = mean([w.weights(m)[spans[f]] - at_turn[f][m] for m in range(w.n)])
-                run.dropped[f] = (1 - alpha) * progress.abs().max().item()
+            if now == w.steps:
+                note_dropped(f, turn)
             land(f, turn, g, now)
             inflight = None
         for f in range(nf):
@@ -859,6 +892,7 @@ def streaming_diloco(
     end = w.steps
     if inflight is not None:  # the exchange in flight lands at the end of fit
         f, turn, _, g = inflight
+        note_dropped(f, turn)
         land(f, turn, g, end)
     for f in range(nf):
         if turns[f] is None or turns[f] < end:  # it trained since its block began: merged as it is

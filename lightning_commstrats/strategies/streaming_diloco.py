@@ -66,9 +66,13 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
     progress. ``benchmarks/compare.py`` runs both at 32 bits side by side to measure what the shift
     costs at equal samples.
 
-    The end of fit: the exchange in flight lands (its outer step), then each fragment's progress since
-    its turn (its part block, averaged over the ranks) is added to the global model as it is, without
-    an outer step, and every rank ends with that model. An outer step there would add the outer
+    The end of fit: the exchange in flight lands (its outer step), then each other fragment's progress
+    since its turn (its part block, averaged over the ranks) is added to the global model as it is,
+    without an outer step, and every rank ends with that model. The fragment in flight lands as at any
+    landing: with ``fragment_update_alpha=0`` and without ``keep_local_progress`` the local steps taken
+    on it since its launch (at most ``fragment_sync_delay``) are replaced by the landed global
+    fragment and are not merged (``tests/multiprocess/test_reference_ranks.py`` measures them against the
+    reference); ``keep_local_progress=True`` keeps them. An outer step there would add the outer
     momentum's extrapolation once more with no training after it (measured: 149.4 perplexity on the
     Brown LSTM where the landed global model had 148.6, the merge 147.4).
 

@@ -7,29 +7,55 @@ from and every batch they trained on; the reference, which shares no code with t
 those batches with one model replica per worker in this process, and the weights must agree: after
 every step (each rank against its worker) and at the end of fit.
 
+Schemes and settings: ``allreduce``, ``model_averaging``, ``bmuf`` and 32-bit ``diloco`` on 2 and 4
+ranks (4 also sharded: ``shard="fsdp"``, 2 groups of 2); on 2 ranks also ``streaming_diloco`` (2 fragments,
+delay 0 and 1, mixing ``alpha = 0.25``, 4-bit pseudo-gradients), ``onebit_sgd`` at 32 and 1 bit,
+``diloco`` with 8-bit pseudo-gradients, ``nonfinite="skip"`` with an inf injected into one rank's
+gradient at one step (``allreduce``: the step is skipped; ``diloco`` at 32 and 8 bits: the block is
+discarded), and runs resumed from a checkpoint mid-block (:data:`RESUME`: DiLoCo at 8 bits; Streaming
+DiLoCo with an exchange in flight) against the reference of the uninterrupted run.
+
 Tolerance. Where the arithmetic is the same in the same order the weights are compared bit for bit
 (:data:`EXACT`): ``allreduce`` on 2 ranks (a sum of two gradients does not depend on its order, and
-the division by 2 is exact), and ``allreduce`` with ``shard="fsdp"`` on 2 groups of 2 (FSDP2's
-reduce-scatter inside a group and the all-reduce across the two groups are each a sum of two, halved,
-as the reference's mean of the group's two gradients, then of the two groups'). Elsewhere the order
-of float32 operations differs, and the weights (at most 0.5 in magnitude) are compared within
-``ATOL`` absolute (``RTOL`` 0):
+the division by 2 is exact), also with a skipped step, ``onebit_sgd`` at 32 bits (which is
+``allreduce``: it also equals the real ``allreduce`` run bit for bit), and ``allreduce`` with
+``shard="fsdp"`` on 2 groups of 2 (FSDP2's reduce-scatter inside a group and the all-reduce across the
+two groups are each a sum of two, halved, as the reference's mean of the group's two gradients, then of
+the two groups'). Elsewhere the order of float32 operations differs, and the weights (at most 0.5 in
+magnitude) are compared within ``ATOL`` absolute (``RTOL`` 0; an inf or a NaN, in a rank that trained on
+an inf gradient, must be one in both at the same place):
 
 - the periodic schemes average the ranks' pseudo-gradients ``mean_r(w_start - w_r)`` and step the
   global model with ``torch.optim``'s ``add(..., alpha=-lr)``; the reference takes
-  ``w_start - mean_r w_r`` and writes the outer step out. Each sync differs by about one float32
-  rounding (3e-8 on weights below 0.5), and a few steps of lr 0.1 SGD or lr 0.01 AdamW carry it
+  ``w_start - mean_r w_r`` (32-bit DiLoCo) and writes the outer step (and Streaming DiLoCo's mixing
+  ``alpha w_local + (1 - alpha) w_global``, the package's ``lerp``) out. Each sync differs by about one
+  float32 rounding (3e-8 on weights below 0.5), and a few steps of lr 0.1 SGD or lr 0.01 AdamW carry it
   without amplifying it much;
 - on 4 unsharded ranks gloo sums the ranks' gradients in its ring's order, the reference in rank
-  order (measured: 3e-8).
+  order (measured: 3e-8);
+- the codecs. 1 bit: the reference's two means per column (``onebit_reference.compress``) are summed
+  in float64 and rounded, the package's in float32: a mean differs by about one rounding, and no sign
+  (the only discontinuity) is near enough to 0 to flip; measured 4.5e-8. A flipped sign would move a
+  gradient value by the gap between its column's two means (about 1e-2) and lie far outside
+  ``ATOL``. The uniform 8- and 4-bit grids: the reference performs the float32 operations that the
+  codec's docstring states, in its order, so every value lands in the same bin; measured 3e-8 to
+  6e-8. The codec itself moves a value by up to half a level step of its row: measured, 6.3e-5 to
+  2.3e-4 at 8 bits, 1.1e-4 to 4.5e-3 at 4 bits (per pseudo-gradient value), so one value in another
+  bin would differ by a whole step, at least 60 times ``ATOL``; each test asserts ``10 ATOL`` is
+  below the smallest half step seen.
 
 Measured (2 and 4 ranks, 6 to 10 steps, every scenario below, twice): the largest difference over every step,
 rank and weight is 1.2e-7 (``bmuf_classic_samples``; :data:`MEASURED`). ``ATOL = 1e-6`` is 8 times that.
 The effect of a wrong average is far larger: each test replays the reference with the workers'
 contributions summed instead of averaged (``reduce="sum"``), and the real run must lie more than
-``FAR = 1e-3`` (1000 times ``ATOL``) from it; measured, it lies 0.06 to 0.48 from it. DiLoCo without
-its outer momentum lies 0.03 to 0.05 away; BMUF on 4 ranks with its default block momentum miscounted
-(``1 - 1/2`` for 4 workers, ``1 - 1/4`` for 2 sharded groups) 0.011 to 0.014.
+``FAR = 1e-3`` (1000 times ``ATOL``) from it; measured, it lies 0.06 to 0.48 from it (new scenarios:
+0.07 to 0.25). DiLoCo and Streaming DiLoCo without their outer momentum lie 0.025 to 0.08 away; BMUF on
+4 ranks with its default block momentum miscounted (``1 - 1/2`` for 4 workers, ``1 - 1/4`` for 2 sharded
+groups) 0.011 to 0.014. :data:`CONTROLS` adds, per scenario: Streaming DiLoCo with another delay or
+mixing, 2.7e-3 to 5.6e-2 away; 1-bit SGD without error feedback 0.12, at 32 bits 0.10; a skipped step
+(block) taken as if there had been no inf, 0.06 to 0.10. At the codecs' own scale (``CODEC_FAR`` =
+1e-4, 100 times ``ATOL``): 8-bit DiLoCo with its residuals dropped lies 4.2e-4 (5.2e-4 with the skip)
+away, unquantized 1.8e-4 (3.7e-4); 4-bit Streaming DiLoCo 7.5e-3 and 2.6e-3.
 """
 
 from __future__ import annotations
@@ -435,6 +461,8 @@ def test_a_run_resumed_mid_block_replays_as_the_uninterrupted_one(pair, name):
             same(weights, straight[r]["steps"][k + j], f"rank {r} after step {k + j + 1}, straight", exact=True)
         same(resumed[r]["final"], run.final, f"rank {r} at the end of the resumed fit")
     assert [tuple(h) for h in resumed[0]["sync_history"]] == [h for h in run.history if h[2] > k]
+
+
 @pytest.mark.parametrize("name", list(QUAD))
 def test_four_ranks_replay_through_the_reference(quad, name):
     sc = QUAD[name]
