@@ -23,6 +23,7 @@ STREAM = {
     "keep_local_progress": True,
     "pseudo_grad_bits": 4,
     "small_tensor_numel": 0,
+    "outer_momentum": 0.9,  # the paper's: its extrapolation is what the merge avoids at the end
 }
 STEPS = 13
 
