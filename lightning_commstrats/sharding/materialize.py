@@ -178,7 +178,7 @@ def _named_tensors(root: nn.Module) -> dict[str, Tensor]:
     return {n: local(t) for n, t in (*root.named_parameters(), *root.named_buffers()) if t is not None}
 
 
-def _stream_seed(base: int, ordinal: int, stream: int) -> int:
+def _stream_seed(base: int, ordinal: int, stream: int | tuple[int, int]) -> int:
     """The seed of initialiser ``ordinal``'s draws on a rank whose place along that initialiser's
     tensors is ``stream``: independent of every other (ordinal, stream) pair, the same on every rank
     with the same pair."""
@@ -241,13 +241,13 @@ def materialize(
     marked = [n for n, t in _named_tensors(root).items() if t.is_meta and t.dtype in MARKS]
     kept_ids = {id(t) for t in kept}
     # which stream each initialiser draws from, decided while the tensors are still the meta ones
-    streams: list[int] = []
+    streams: list[int | tuple[int, int]] = []
     for _, module in (*own, *reversed(resets)):
         held = [id(t) in kept_ids for t in _module_tensors(module) if t.is_meta]
         if held and all(held):
             streams.append(kept_index)
         elif any(held):
-            streams.append((1 << 20) + (index << 10) + kept_index)
+            streams.append((index, kept_index))  # the pair, whatever the sizes of the two dimensions
         else:
             streams.append(index)
     materialised = [m for m in root.modules() if _meta_direct(m)]

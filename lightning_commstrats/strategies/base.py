@@ -520,14 +520,16 @@ class CommStrategy(RankDevices, ParallelStrategy):
             )
         if empty:  # refused before anything is sharded or allocated
             check_initialisable(module)
+        kept = self.params_kept_whole()  # FSDP2 leaves them alone: the same objects after sharding
         if self.sharding is not None:
             # a per-module precision policy (LayeredMixedPrecision): each unit gathered in its dtype
             dtypes = getattr(self.precision_plugin, "module_dtypes", None)
-            self.sharding.shard_module(module, dtypes, ignored=self.params_kept_whole())
+            self.sharding.shard_module(module, dtypes, ignored=kept)
         if empty:
             index = self.sharding.index if self.sharding is not None else 0
-            kept, kept_index = self.params_kept_whole(), self.kept_whole_index()
-            called, unwritten = materialize(module, self.root_device, index, kept=kept, kept_index=kept_index)
+            called, unwritten = materialize(
+                module, self.root_device, index, kept=kept, kept_index=self.kept_whole_index()
+            )
             unwritten = self.agree_on_names(unwritten)  # a rank whose shard is empty sees nothing
             if unwritten:
                 raise unwritten_error(unwritten, called)

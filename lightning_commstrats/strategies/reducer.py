@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_commstrats.buckets import BucketKey, check_residuals, residual_home
 from lightning_commstrats.comm import Communicator
-from lightning_commstrats.compression.exchange import BucketedAllReduce
+from lightning_commstrats.compression.exchange import BucketedAllReduce, TensorExchange
 from lightning_commstrats.compression.hierarchical import SlowHop, TwoLevelAllReduce
 
 GRADIENTS = "gradients"
@@ -54,7 +54,7 @@ class Reducer:
         self._world: Communicator | None = None
         self._replicas: Communicator | None = None
         self._fused: dict[str, BucketedAllReduce] = {}
-        self._held: list[Any] = []  # exchanges whose residuals wait for the step's vote
+        self._held: list[TensorExchange] = []  # exchanges whose residuals wait for the step's vote
 
     def __repr__(self) -> str:
         return f"Reducer(gradients by {self.hop!r})" if self.hop is not None else "Reducer(flat)"
@@ -129,9 +129,9 @@ class Reducer:
 
     # ------------------------------------------------------------------ the step's vote
 
-    def hold(self, exchange: Any) -> None:
-        """``exchange`` (with ``commit()`` and ``discard()``: a scheme's compressed gradient exchange)
-        made residuals with ``commit=False``: they move with the step's vote, as the hop's do."""
+    def hold(self, exchange: TensorExchange) -> None:
+        """``exchange`` (a scheme's compressed gradient exchange) made residuals with ``commit=False``:
+        they move with the step's vote, as the hop's do."""
         if not any(exchange is e for e in self._held):
             self._held.append(exchange)
 

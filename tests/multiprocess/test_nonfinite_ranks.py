@@ -95,17 +95,19 @@ def test_a_skipped_step_leaves_every_residual_of_a_sharded_compressed_exchange_o
     vote), so the ranks' states parted; now they wait for the vote on every rank."""
     shard = {"shard": "fsdp", "group_size": 2, "shard_policy": {"min_unit_numel": 1}}
     scenarios = {
-        "onebit": _trace_scenario("onebit_sgd", {"small_tensor_numel": 64, "nonfinite": "skip", **shard}),
+        "onebit": {
+            **_trace_scenario("onebit_sgd", {"small_tensor_numel": 64, "nonfinite": "skip", **shard}),
+            "devices": 4,
+        },
         "expert_parallel": {
             **_trace_scenario(
                 "expert_parallel",
                 {"ep_size": 2, "num_quantization_bits": 1, "small_tensor_numel": 16, "nonfinite": "skip", **shard},
             ),
             "model": "moe",
+            "devices": 4,
         },
     }
-    for sc in scenarios.values():
-        sc["devices"] = 4
     results = run_ranks({"scenarios": scenarios}, 4, timeout=400)
     for name in scenarios:
         for rank, res in enumerate(results):
