@@ -153,3 +153,29 @@ def test_the_recipe_refuses_a_bad_setting_before_training(tmp_path):
 def test_process_group_backend_is_backend_under_lightning_ddp_name():
     assert AllReduceStrategy(process_group_backend="gloo").backend == "gloo"
     assert BMUFStrategy(backend="gloo", process_group_backend="gloo").backend == "gloo"
+
+
+# A layout that does not fit the ranks the Trainer (or Fabric) asks for: refused when the Trainer is
+# built, before any rank is spawned (it used to surface only in every spawned rank's set-up).
+LAYOUT_CASES = [
+    (AllReduceStrategy, {"group_size": 3}, "AllReduceStrategy: group_size=3 must divide the number of ranks, 4 \\(devices=4 x num_nodes=1\\)"),
+    (DiLoCoStrategy, {"group_size": 3, "shard": "fsdp"}, "DiLoCoStrategy: group_size=3 must divide the number of ranks, 4"),
+    (OneBitSGDStrategy, {"group_size": 8}, "group_size=8 must divide the number of ranks, 4"),
+    (ExpertParallelStrategy, {"ep_size": 3}, "ep_size=3 must divide the world size 4"),
+    (ExpertParallelStrategy, {"dp_size": 3}, "dp_size x ep_size = 3 x 1 must equal the world size 4"),
+    (ExpertParallelStrategy, {"ep_size": 2, "shard": "fsdp", "group_size": 4}, "group_size=4 disagrees: leave it out or pass 2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "message"), LAYOUT_CASES, ids=lambda v: getattr(v, "__name__", None))
+def test_a_layout_that_does_not_fit_the_ranks_fails_when_the_trainer_is_built(cls, kwargs, message):
+    import lightning as L
+
+    from lightning_commstrats.fabric import FabricStrategy
+
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(strategy=cls(**kwargs), devices=4, accelerator="cpu", logger=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match=message):
+        L.Fabric(strategy=FabricStrategy(cls(**kwargs)), devices=4, accelerator="cpu")
+    fitting = {**kwargs, "group_size": 2} if "group_size" in kwargs else {"ep_size": 2}
+    L.Trainer(strategy=cls(**fitting), devices=4, accelerator="cpu", logger=False, enable_progress_bar=False)

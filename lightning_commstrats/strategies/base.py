@@ -309,14 +309,31 @@ class CommStrategy(RankDevices, ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def check_launch(self) -> None:
-        """Ranks of ``backend="mpi"`` must come from ``mpiexec``: Lightning cannot start them."""
+        """Before any rank starts (the Trainer's construction): the layout of the ranks the Trainer asks
+        for fits the settings (:meth:`check_layout`), and ranks of ``backend="mpi"`` come from
+        ``mpiexec`` (Lightning cannot start them)."""
         assert self.cluster_environment is not None
+        world_size = self.num_nodes * self.num_processes
+        if world_size:
+            self.check_layout(world_size)
         if self._backend == "mpi" and self.num_nodes * self.num_processes > 1:
             if not self.cluster_environment.creates_processes_externally:
                 raise RuntimeError(
                     f"backend='mpi' with devices={self.num_processes} needs its ranks started by MPI:"
                     f" run `mpiexec -n {self.num_nodes * self.num_processes} python <script>`"
                 )
+
+    def check_layout(self, world_size: int) -> None:
+        """Raise ``ValueError`` naming the setting when ``world_size`` ranks (``devices`` x ``num_nodes``)
+        cannot be laid out as asked (``group_size`` must divide them): called before the ranks start, so
+        a wrong size costs no spawn."""
+        try:
+            Topology.of(world_size, self.num_processes, self.group_size, self.shard)
+        except ValueError as e:
+            raise ValueError(
+                f"{type(self).__name__}: {e} (devices={self.num_processes} x num_nodes={self.num_nodes});"
+                " pass a group_size that divides it, or 'node'"
+            ) from None
 
     def set_world_ranks(self) -> None:
         """Assign ranks like ``ddp``; when the processes were started outside Lightning (``mpiexec``,

@@ -148,24 +148,41 @@ class ExpertParallelStrategy(AllReduceStrategy):
         super().set_world_ranks()
         if not self.num_nodes * self.num_processes:
             return
-        if self.world_size % self.ep_size:
+        inner = self._inner_size(self.world_size)
+        if self.sharding is not None:  # FSDP2 over the inner dimension: the ranks on the fast links
+            self.group_size = self.sharding.group_size = inner
+
+    @override
+    def check_layout(self, world_size: int) -> None:
+        """The expert layout fits ``world_size`` ranks (checked before they start)."""
+        self._inner_size(world_size)
+        if self.sharding is None:
+            super().check_layout(world_size)
+
+    def _inner_size(self, world_size: int) -> int:
+        """The ranks of the layout's inner dimension on ``world_size`` ranks; ``ValueError`` naming the
+        setting where the layout does not fit them."""
+        if self._ep_size is not None:
+            ep_size = self._ep_size
+        else:
+            ep_size = world_size // self._dp_size if self._dp_size else world_size
+        if not ep_size or world_size % ep_size:
+            given = f"ep_size={ep_size}" if self._ep_size is not None else f"dp_size={self._dp_size}"
+            raise ValueError(f"{given} must divide the world size {world_size} (devices x num_nodes)")
+        dp_size = self._dp_size if self._dp_size is not None else world_size // ep_size
+        if dp_size * ep_size != world_size:
             raise ValueError(
-                f"ep_size={self.ep_size} must divide the world size {self.world_size} (devices x num_nodes)"
-            )
-        if self.dp_size * self.ep_size != self.world_size:
-            raise ValueError(
-                f"dp_size x ep_size = {self.dp_size} x {self.ep_size} must equal the world size {self.world_size}"
+                f"dp_size x ep_size = {dp_size} x {ep_size} must equal the world size {world_size}"
                 " (devices x num_nodes)"
             )
-        if self.sharding is not None:  # FSDP2 over the inner dimension: the ranks on the fast links
-            inner = self.dp_size if self.inner == "dp" else self.ep_size
-            if self.group_size is not None and self.group_size != inner:
-                raise ValueError(
-                    f"expert_parallel with shard='fsdp' shards the dense part over the layout's inner dimension"
-                    f" (inner={self.inner!r}: {inner} ranks); group_size={self.group_size!r} disagrees: leave it out"
-                    f" or pass {inner}"
-                )
-            self.group_size = self.sharding.group_size = inner
+        inner = dp_size if self.inner == "dp" else ep_size
+        if self.sharding is not None and self.group_size is not None and self.group_size != inner:
+            raise ValueError(
+                f"expert_parallel with shard='fsdp' shards the dense part over the layout's inner dimension"
+                f" (inner={self.inner!r}: {inner} ranks); group_size={self.group_size!r} disagrees: leave it out"
+                f" or pass {inner}"
+            )
+        return inner
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
