@@ -567,7 +567,8 @@ def run_os(run: dict[str, Any], rank: int) -> dict[str, Any]:
     from lightning_commstrats.sharding import ProcessMemory
 
     gc.collect()
-    tracker = ProcessMemory()  # its start: the resident set before the model is built
+    # exact phases (this process only measures); its start: the resident set before the model is built
+    tracker = ProcessMemory(phases="reset")
     tracker.begin("build")
     L.seed_everything(0, verbose=False)
     dim, blocks = run["dims"]

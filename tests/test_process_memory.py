@@ -43,7 +43,7 @@ def touch_and_free(nbytes: int) -> None:
 
 @linux_only
 def test_a_phase_sees_what_it_freed_and_the_run_keeps_it_after_a_later_phase():
-    tracker = ProcessMemory()
+    tracker = ProcessMemory(phases="reset")
     if tracker.phase_note is not None or pm._reset_kernel_peak() is not None:
         pytest.skip(f"the kernel's peak cannot be reset here: {tracker.phase_note}")
     base = rss_now()
@@ -62,7 +62,7 @@ def test_a_phase_sees_what_it_freed_and_the_run_keeps_it_after_a_later_phase():
 
 @linux_only
 def test_an_outer_phase_keeps_the_peak_of_an_inner_one_and_a_phase_entered_again_its_largest():
-    tracker = ProcessMemory()
+    tracker = ProcessMemory(phases="reset")
     if tracker.phase_note is not None or pm._reset_kernel_peak() is not None:
         pytest.skip(f"the kernel's peak cannot be reset here: {tracker.phase_note}")
     base = rss_now()
@@ -91,7 +91,7 @@ def test_an_outer_phase_keeps_the_peak_of_an_inner_one_and_a_phase_entered_again
 @linux_only
 def test_without_clear_refs_the_run_peak_stays_and_the_phases_say_why(monkeypatch, tmp_path):
     monkeypatch.setattr(pm, "_CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
-    tracker = ProcessMemory()
+    tracker = ProcessMemory(phases="reset")
     base = rss_now()
     with tracker.phase("training"):
         touch_and_free(64 * MIB)
@@ -245,28 +245,60 @@ def _glibc() -> bool:
         return False
 
 
-@linux_only
-def test_without_phases_the_kernels_peak_is_never_reset_for_other_readers():
-    # the phases reset VmHWM for the whole process; phases=False leaves it to other readers
-    def kernel_peak() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+def kernel_peak() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
-    for phases in (True, False):
+
+@linux_only
+def test_only_phases_reset_touch_the_kernels_peak_other_readers_see():
+    # /usr/bin/time, ru_maxrss and profilers read VmHWM: the default (sampled) and False leave it alone
+    for phases in (True, False, "reset"):
         tracker = ProcessMemory(phases=phases)
         touch_and_free(64 * MIB)
         high = kernel_peak()
         with tracker.phase("sync"):
             pass
         kept = kernel_peak()
-        if phases:
+        if phases == "reset":
             assert kept < high - 32 * MIB or tracker.phase_note is not None  # reset: the 64 MiB is gone
         else:
-            assert kept >= high and tracker.stats()["rss"]["phases"]["sync"] is None
+            assert kept >= high, f"phases={phases!r} lowered the kernel's peak from {high} to {kept}"
+        if phases is False:
+            assert tracker.stats()["rss"]["phases"]["sync"] is None
             assert "never reset" in tracker.stats()["rss"]["note"]
         assert tracker.stats()["rss"]["peak"] >= high  # the tracker keeps the run's peak either way
-    with pytest.raises(ValueError, match="memory_phases must be True or False"):
-        AllReduceStrategy(memory_phases="no")
+    for bad in ("no", 1, "sample"):
+        with pytest.raises(ValueError, match=r"memory_phases must be True .*'reset'.* or False"):
+            AllReduceStrategy(memory_phases=bad)
+
+
+@linux_only
+def test_a_sampled_phase_that_sets_a_new_high_has_it_exactly_and_one_below_gets_its_own_samples():
+    tracker = ProcessMemory()  # the default: sampled
+    touch_and_free(96 * MIB)  # an earlier high, above anything below
+    high = kernel_peak()
+    base = rss_now()
+    with tracker.phase("training"):
+        with tracker.phase("sync"):
+            x = torch.ones(48 * MIB // 4)  # held below the earlier high for 50 intervals: the sampler sees it
+            pm.threading.Event().wait(50 * tracker.interval)
+            del x
+        with tracker.phase("idle"):
+            pass
+    stats = tracker.stats()["rss"]
+    phases = stats["phases"]
+    assert stats["method"] == "sampled" and kernel_peak() >= high
+    assert base + 44 * MIB <= phases["sync"] < high, f"sync {(phases['sync'] - base) / MIB:.1f} MiB over base"
+    assert phases["training"] >= phases["sync"], "training lost the peak of the sync inside it"
+    assert phases["idle"] < base + 24 * MIB, "a phase took the process's earlier high for its own"
+    assert "sampled" in format_process_memory(tracker.stats())
+    # above every earlier high: the kernel's new peak, exactly, even for a block held less than an interval
+    tracker = ProcessMemory(interval=3600.0)  # the sampler never reads: only the boundaries and the kernel
+    with tracker.phase("sync"):
+        touch_and_free(high - rss_now() + 64 * MIB)
+    assert tracker.stats()["rss"]["phases"]["sync"] >= high + 60 * MIB
+    assert tracker._sampler is None and not any(t.name == "commstrats-memory" for t in pm.threading.enumerate())
 
 
 def test_the_ranks_line_names_the_largest_and_the_smallest_peak_of_each_counter():

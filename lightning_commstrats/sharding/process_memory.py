@@ -11,19 +11,30 @@ and the allocator's slack. Counters (bytes):
 - ``allocated`` / ``reserved``: on a CUDA device, ``torch.cuda.max_memory_allocated`` (tensors) and
   ``max_memory_reserved`` (what the caching allocator took from the driver).
 
-A phase's peak needs the counters' peaks reset when it begins: ``clear_refs`` (writing ``5`` to
-``/proc/self/clear_refs`` sets ``VmHWM`` to the resident set now; Linux 4.0+) and
-``torch.cuda.reset_peak_memory_stats``. Every reading and every reset first folds the peak so far into
-the run's peak and into every phase still open, so the run's peak is never lost to a reset and an outer
-phase keeps the peak of an inner one. Where ``clear_refs`` cannot be written (another kernel, a
-read-only ``/proc``), the run's peak is still known and the phases' ``rss`` figures are ``None``, with
-the reason in :attr:`ProcessMemory.phase_note`.
+A phase's peak is measured in one of two ways (``phases=``):
 
-Cost: a phase is two reads of ``/proc/self/status`` (about 1.5 kB each) and a one-byte write to
-``clear_refs``; resetting the kernel's peak walks no page tables (``5`` only resets the counter).
-Measured here, 25 to 90 microseconds a phase (two shared, loaded cores): cheap enough to wrap every
-step's exchange, not every tensor. The files are opened each time: a descriptor kept open would read
-the parent's counts in a forked child.
+- ``True`` (the default), sampled, leaving the counters alone: while a phase is open, a thread reads
+  ``VmRSS`` (and CUDA's ``memory_allocated`` / ``memory_reserved``) every ``interval`` seconds (5 ms),
+  and each boundary reads them too. Where the kernel's peak (``VmHWM``; CUDA's
+  ``max_memory_allocated``) rose while the phase was open, the phase's peak is that new high, exactly;
+  otherwise it is the largest sample (a block held for less than the interval, below the process's
+  earlier high, can be missed). Nothing else that reads the counters (``/usr/bin/time``, ``getrusage``'s
+  ``ru_maxrss``, a profiler, ``torch.cuda.max_memory_allocated``) is disturbed.
+- ``"reset"``, exact: each phase's start resets the counters' peaks (``clear_refs``: writing ``5`` to
+  ``/proc/self/clear_refs`` sets ``VmHWM`` to the resident set now, Linux 4.0+;
+  ``torch.cuda.reset_peak_memory_stats``). This is process-wide: anything else reading them sees the
+  peak since the last boundary only. Where ``clear_refs`` cannot be written (another kernel, a
+  read-only ``/proc``), the phases' ``rss`` figures are ``None``, with the reason in
+  :attr:`ProcessMemory.phase_note`.
+
+Every reading first folds the peak so far into the run's peak and into every phase still open, so the
+run's peak is never lost (to a reset either) and an outer phase keeps the peak of an inner one.
+
+Cost: a boundary is a read or two of ``/proc/self/status`` (about 1.5 kB; 25 to 90 microseconds
+measured here, on two shared, loaded cores), plus a one-byte write to ``clear_refs`` with ``"reset"``
+(which walks no page tables: ``5`` only resets the counter). The sampler's thread costs one such read
+every interval while a phase is open (under 1% of a core at 5 ms); it runs only while a phase is open.
+The files are opened each time: a descriptor kept open would read the parent's counts in a forked child.
 
 On the host, glibc's defaults keep freed memory: after the process frees a block larger than the mmap
 threshold (128 KiB at start), glibc raises the threshold to that size (up to 32 MiB), so later tensors
@@ -41,6 +52,7 @@ import contextlib
 import ctypes
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +64,17 @@ _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 DEFAULT_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value
+SAMPLE_INTERVAL = 0.005  # seconds between the sampler's readings while a phase is open
+PHASE_MODES = (True, "reset", False)  # sampled (the counters left alone), exact by resets, none
+
+
+def check_phases(phases: Any, name: str = "phases") -> None:
+    """``ValueError`` naming ``name`` unless ``phases`` is one of :data:`PHASE_MODES`."""
+    if not (phases is True or phases is False or phases == "reset"):
+        raise ValueError(
+            f"{name} must be True (sampled; the process's peak counters are left alone), 'reset' (exact;"
+            f" resets them at each phase) or False (no phases), got {phases!r}"
+        )
 
 
 def _status() -> dict[str, int] | None:
@@ -104,20 +127,24 @@ class ProcessMemory:
     ``reserved``), over the run and within named phases (see the module docstring).
 
     Phases nest: :meth:`begin` / :meth:`end`, or :meth:`phase` as a context manager. A phase entered
-    again keeps the largest peak of all its entries. Not thread-safe: call it from the training loop's
-    thread (memory taken by another thread still counts, in whichever phase is open then).
-
-    Resetting a counter is process-wide: after a phase boundary, anything else that reads the kernel's
-    peak (``VmHWM``, ``getrusage``'s ``ru_maxrss``, ``/usr/bin/time``) or CUDA's sees the peak since
-    that boundary only; this tracker keeps the run's. ``phases=False`` never resets them: the run's
-    peak only, the phases' figures ``None``.
+    again keeps the largest peak of all its entries. Call it from the training loop's thread (memory
+    taken by another thread still counts, in whichever phase is open then).
 
     Args:
         device: the rank's device; a CUDA device adds the caching allocator's counters. None: the host.
-        phases: whether phases reset the counters to measure their own peaks (default True).
+        phases: how a phase's peak is measured: ``True`` (default) sampled, the process's peak counters
+            left alone for every other reader; ``"reset"`` exact, resetting them at each phase's start
+            (``/usr/bin/time``, ``ru_maxrss`` and CUDA's peak statistics then read the peak since the
+            last boundary); ``False`` no phases, the run's peak only.
+        interval: seconds between the sampler's readings (``phases=True``).
     """
 
-    def __init__(self, device: torch.device | str | None = None, phases: bool = True) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, phases: bool | str = True, interval: float = SAMPLE_INTERVAL
+    ) -> None:
+        check_phases(phases)
+        if not (isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval > 0):
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
         if self._cuda and self.device.index is None:
@@ -126,70 +153,127 @@ class ProcessMemory:
         self._linux = status is not None
         self.phase_note: str | None = None
         """Why the phases' ``rss`` peaks are not known (None: they are)."""
-        self._phases = phases
-        if not phases:
+        self._phases = phases is not False
+        self._reset_mode = phases == "reset"
+        self.interval = float(interval)
+        self.method = "reset" if self._reset_mode else "sampled" if self._phases else None
+        """How the phases' peaks were measured: ``"reset"``, ``"sampled"`` or None (no phases)."""
+        if not self._phases:
             self.phase_note = "phases are off: the counters are never reset, so only the run's peak is known"
         elif not self._linux:
             self.phase_note = f"{_STATUS} cannot be read on this system"
+        self._lock = threading.Lock()
+        self._sampler: tuple[threading.Thread, threading.Event] | None = None
         self.start: dict[str, int | None] = self._now()
         """The counters when the tracker was made (bytes)."""
         self.peak: dict[str, int] = {}
         """The largest value of each counter seen so far, from the start of the process (bytes)."""
         self.phase_peaks: dict[str, dict[str, int | None]] = {}
         """Per phase name, the largest value of each counter within any of its entries (bytes)."""
-        self._open: list[tuple[str, dict[str, int]]] = []
+        # per open phase: its name, its peaks so far, and (sampled) the counters' peaks at its start
+        self._open: list[tuple[str, dict[str, int], dict[str, int]]] = []
         self._fold()
 
     def _counters(self) -> tuple[str, ...]:
         return COUNTERS if self._cuda else COUNTERS[:1]
 
-    def _now(self) -> dict[str, int | None]:
+    def _read(self) -> tuple[dict[str, int | None], dict[str, int]]:
+        """The counters now and their peaks since their last reset, from one read of the kernel's
+        figures (bytes)."""
         status = _status()
         now: dict[str, int | None] = {"rss": status["VmRSS"] if status else None}
+        peak = status["VmHWM"] if status else _rusage_peak()
+        highs = {} if peak is None else {"rss": peak}
         if self._cuda:
             now["allocated"] = torch.cuda.memory_allocated(self.device)
             now["reserved"] = torch.cuda.memory_reserved(self.device)
-        return now
+            highs["allocated"] = torch.cuda.max_memory_allocated(self.device)
+            highs["reserved"] = torch.cuda.max_memory_reserved(self.device)
+        return now, highs
 
-    def _peaks_since_reset(self) -> dict[str, int]:
-        status = _status()
-        peak = status["VmHWM"] if status else _rusage_peak()
-        peaks = {} if peak is None else {"rss": peak}
-        if self._cuda:
-            peaks["allocated"] = torch.cuda.max_memory_allocated(self.device)
-            peaks["reserved"] = torch.cuda.max_memory_reserved(self.device)
-        return peaks
+    def _now(self) -> dict[str, int | None]:
+        return self._read()[0]
 
-    def _fold(self) -> None:
-        """Fold the counters' peaks since their last reset into the run's and every open phase's."""
-        for counter, value in self._peaks_since_reset().items():
-            self.peak[counter] = max(self.peak.get(counter, 0), value)
-            for _, peaks in self._open:
+    def _fold(self) -> tuple[dict[str, int | None], dict[str, int]]:
+        """Fold the counters' peaks since their last reset into the run's and into every open phase's
+        (``"reset"``); sampled, into an open phase only where the peak rose while it was open, beside
+        the counters now. Returns what it read: the counters now and their peaks."""
+        now, highs = self._read()
+        with self._lock:
+            for counter, value in highs.items():
+                self.peak[counter] = max(self.peak.get(counter, 0), value)
+            if not self._reset_mode:
+                self._take(now)  # the kernel updates its peak lazily: the resident set can be above it
+            for _, peaks, at_start in self._open:
+                for counter, value in highs.items():
+                    if self._reset_mode or value > at_start.get(counter, value):
+                        peaks[counter] = max(peaks.get(counter, 0), value)
+        return now, highs
+
+    def _take(self, now: dict[str, int | None]) -> None:
+        """The counters ``now`` into the run's peak and every open phase's (under the lock)."""
+        for counter, value in now.items():
+            if value is None:
+                continue
+            if counter in self.peak:
+                self.peak[counter] = max(self.peak[counter], value)
+            for _, peaks, _ in self._open:
                 peaks[counter] = max(peaks.get(counter, 0), value)
 
     def _reset(self) -> None:
-        if not self._phases:
+        if not self._reset_mode:
             return
         if self.phase_note is None:
             self.phase_note = _reset_kernel_peak()
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _sample(self, stop: threading.Event) -> None:
+        """The sampler's loop: the counters now into every open phase, every interval, until stopped."""
+        while not stop.wait(self.interval):
+            now = self._now()
+            with self._lock:
+                self._take(now)
+
+    def _start_sampler(self) -> None:
+        if self._sampler is None and self._phases and not self._reset_mode:
+            stop = threading.Event()
+            thread = threading.Thread(target=self._sample, args=(stop,), name="commstrats-memory", daemon=True)
+            self._sampler = (thread, stop)
+            thread.start()
+
+    def _stop_sampler(self) -> None:
+        if self._sampler is not None:
+            thread, stop = self._sampler
+            self._sampler = None
+            stop.set()
+            thread.join(timeout=1.0)  # at most one reading of the counters away: no thread outlives its phases
+
     def begin(self, name: str) -> None:
-        """Start phase ``name``: fold, reset the peaks, so that what follows is the phase's own."""
-        if any(open_name == name for open_name, _ in self._open):
+        """Start phase ``name``: fold; with ``"reset"``, reset the peaks, so that what follows is the
+        phase's own; sampled, note the counters' peaks now and start the sampler."""
+        if any(open_name == name for open_name, _, _ in self._open):
             raise ValueError(f"phase {name!r} is already open; end it first (open: {self.open_phases})")
-        self._fold()
+        now, highs = self._fold()
         self._reset()
-        self._open.append((name, {}))
+        if self._reset_mode:
+            entry: tuple[str, dict[str, int], dict[str, int]] = (name, {}, {})
+        else:  # its peaks start at the counters now; the kernel's peak now tells whether it sets a new one
+            entry = (name, {k: v for k, v in now.items() if v is not None}, highs)
+        with self._lock:
+            self._open.append(entry)
         self.phase_peaks.setdefault(name, {})  # phases are reported in the order they first began
+        self._start_sampler()
 
     def end(self, name: str) -> None:
         """End phase ``name`` (the innermost open one) and keep its peak."""
         if not self._open or self._open[-1][0] != name:
             raise ValueError(f"phase {name!r} is not the innermost open phase (open: {self.open_phases})")
         self._fold()
-        _, peaks = self._open.pop()
+        with self._lock:
+            _, peaks, _ = self._open.pop()
+        if not self._open:
+            self._stop_sampler()
         self._keep(name, peaks)
 
     def close(self) -> None:
@@ -209,11 +293,11 @@ class ProcessMemory:
     @property
     def open_phases(self) -> list[str]:
         """The phases begun and not ended, outermost first."""
-        return [name for name, _ in self._open]
+        return [name for name, _, _ in self._open]
 
     def _phase_unknown(self, counter: str) -> bool:
-        """Whether the phases' peaks of ``counter`` are not known: the counters are never reset
-        (``phases=False``), or the kernel's peak cannot be reset (``rss``; see :attr:`phase_note`)."""
+        """Whether the phases' peaks of ``counter`` are not known: no phases (``phases=False``), or the
+        kernel's counters cannot be read or reset (``rss``; see :attr:`phase_note`)."""
         return not self._phases or (counter == "rss" and self.phase_note is not None)
 
     def _keep(self, name: str, peaks: dict[str, int]) -> None:
@@ -229,11 +313,14 @@ class ProcessMemory:
     def stats(self) -> dict[str, dict[str, Any]]:
         """``{counter: {"device", "start", "now", "peak", "phases": {name: bytes or None}}}`` (bytes;
         ``rss`` on the host, ``allocated`` and ``reserved`` on a CUDA device). A phase still open
-        counts with its peak so far. Where the phases' ``rss`` is not known, ``rss`` has a ``"note"``."""
+        counts with its peak so far. Where the phases' ``rss`` is not known, ``rss`` has a ``"note"``;
+        where they are, every counter has ``"method"``: ``"sampled"`` or ``"reset"``."""
         self._fold()
         now = self._now()
         phases = {name: dict(peaks) for name, peaks in self.phase_peaks.items()}
-        for name, open_peaks in self._open:
+        with self._lock:
+            still_open = [(name, dict(peaks)) for name, peaks, _ in self._open]
+        for name, open_peaks in still_open:
             kept = phases.setdefault(name, {})
             for counter in self._counters():
                 value = None if self._phase_unknown(counter) else open_peaks.get(counter)
@@ -252,6 +339,8 @@ class ProcessMemory:
             }
             if self._phase_unknown(counter):
                 out[counter]["note"] = self.phase_note
+            elif self.method is not None and phases:
+                out[counter]["method"] = self.method
         return out
 
 
@@ -362,6 +451,8 @@ def format_process_memory(stats: dict[str, dict[str, Any]]) -> str:
             within = f" (phases not measured: {figures['note']})" if phases else ""
         else:
             within = ", ".join(f"{name} {format_bytes(b)}" for name, b in phases.items())
+            if within and figures.get("method") == "sampled":  # a lower bound where no new high was set
+                within += ", sampled"
             within = f" ({within})" if within else ""
         parts.append(f"{label} {format_bytes(figures['peak'])}{within}")
     return "; ".join(parts)

@@ -167,11 +167,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
             steps: ``"device"`` (default) or ``"host"`` (pinned host memory on CUDA, brought to the
             device for each step's encoding; two copies of them over the host link a step). The
             periodic schemes keep them with their outer state (``outer_state``).
-        memory_phases: whether :attr:`process_memory` measures the peaks of the ``training`` and
-            ``sync`` phases (default True). It resets the process's peak counters at each phase's start
-            (the kernel's ``VmHWM`` through ``/proc/self/clear_refs``, CUDA's peak statistics), so that
-            anything else reading them (``/usr/bin/time``, a profiler) sees the peak since the last
-            step's boundary; ``False`` never resets them and reports the run's peak only.
+        memory_phases: how :attr:`process_memory` measures the peaks of the ``training`` and ``sync``
+            phases: ``True`` (default) sampled every 5 ms, leaving the process's peak counters alone
+            (``/usr/bin/time``, ``ru_maxrss``, CUDA's peak statistics read true); ``"reset"`` exact, by
+            resetting those counters at each phase's start (the kernel's ``VmHWM`` through
+            ``/proc/self/clear_refs``, CUDA's peak statistics), so that anything else reading them sees
+            the peak since the last step's boundary; ``False`` the run's peak only.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in
             Lightning's ``DDPStrategy``; the Trainer fills them in.
     """
@@ -196,7 +197,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
         shard: str | None = None,
         shard_policy: Any = None,
         residuals: str = "device",
-        memory_phases: bool = True,
+        memory_phases: bool | str = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -901,7 +902,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
             self._samples_total_all_ranks = self._samples_at_step_all_ranks
         else:
             # one phase for the weight schemes' exchange and a periodic scheme's sync (a boundary
-            # reads /proc/self/status and writes clear_refs: tens of microseconds)
+            # reads /proc/self/status, and writes clear_refs with memory_phases="reset": tens of microseconds)
             with self.process_memory.phase("sync"):
                 self.after_optimizer_step(optimizer)
                 self.optimizer_steps += 1

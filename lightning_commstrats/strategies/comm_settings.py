@@ -12,6 +12,7 @@ from lightning_commstrats._cli_errors import nearest
 from lightning_commstrats.comm import BACKENDS, import_mpi
 from lightning_commstrats.compression.hierarchical import check_slow_bits
 from lightning_commstrats.sharding import check_shard
+from lightning_commstrats.sharding.process_memory import check_phases
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 RESUME_MISMATCH = ("error", "reset", "reshard")
@@ -78,8 +79,7 @@ def check_comm_settings(
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, 'node' or None, got {group_size!r}")
     check_slow_bits(slow_hop_bits)
-    if not isinstance(memory_phases, bool):
-        raise ValueError(f"memory_phases must be True or False, got {memory_phases!r}")
+    check_phases(memory_phases, "memory_phases")
     if slow_hop_bits < 32 and group_size is None and shard is None:
         raise ValueError(f"slow_hop_bits={slow_hop_bits} needs group_size (the hop between groups of ranks)")
     if isinstance(verify_sync_every, bool) or not isinstance(verify_sync_every, int) or verify_sync_every < 0:
