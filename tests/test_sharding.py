@@ -256,3 +256,48 @@ def test_a_model_that_shards_itself_is_told_which_settings_it_left_out(given, on
         assert len(said) == 1 and "shard_policy {'activation_checkpointing': True}" in said[0]
     else:
         assert len(said) == 1 and "units in bf16 (gathered in float32 instead)" in said[0]
+
+
+class ShardedByTheStrategy(__import__("lightning").LightningModule):
+    """A model with no ``configure_model``: the strategy shards it."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+
+    def training_step(self, batch, batch_idx):
+        return self.block(batch).float().pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        return self.block(batch).float().sum()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 8), batch_size=2)
+
+    val_dataloader = train_dataloader
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_model_the_strategy_sharded_is_not_taken_for_one_that_shards_itself_at_a_later_stage(one_rank_mesh, recwarn):
+    # fit, then validate with the same Trainer (as the recipe does): the second stage finds DTensors the
+    # strategy made at the first, in bf16 units that did apply: no warning, the same units
+    trainer = __import__("lightning").Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=lc.AllReduceStrategy(shard="fsdp", group_size=1),
+        plugins=[lc.LayeredMixedPrecision(preset="O2", dtype="bf16")],
+        max_steps=1,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = ShardedByTheStrategy()
+    trainer.fit(model)
+    units = list(trainer.strategy.sharding.units)
+    trainer.validate(model)
+    said = [str(w.message) for w in recwarn if "configure_model sharded the model itself" in str(w.message)]
+    assert said == [] and trainer.strategy.sharding.units == units and units != ["(configure_model)"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,6 +102,7 @@ class Sharding:
         self.mesh: Any = None  # the 2-D (replicate, shard) DeviceMesh
         self.cross: Communicator | None = None  # rank i of every group
         self.units: list[str] = []
+        self._mine: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the models this object sharded
         self.num_groups = 1
         self.group = 0  # this rank's group
         self.index = 0  # this rank's place in its group
@@ -170,7 +172,9 @@ class Sharding:
         parameters FSDP2 leaves whole (a scheme places them itself). Either way FSDP2's
         collectives are counted (:mod:`~lightning_commstrats.sharding.traffic`)."""
         sharded = [p for p in module.parameters() if is_dtensor(p)]
-        if sharded:
+        if module in self._mine:  # sharded here for an earlier stage (fit, then validate): as it is
+            pass
+        elif sharded:
             if len(sharded) != len([p for p in module.parameters() if p not in (ignored or ())]):
                 names = [n for n, p in module.named_parameters() if not is_dtensor(p)][:5]
                 raise ValueError(
@@ -197,6 +201,7 @@ class Sharding:
                 )
         else:
             self.units = apply_fsdp(module, self.shard_mesh, self.policy, dtypes, ignored)
+            self._mine.add(module)
             log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
         if self.stats is not None:
             count_fsdp_traffic(module, self.stats)
