@@ -222,9 +222,17 @@ def format_summary(s: CommSnapshot) -> str:
     background = f"; background exchanges {s.background_seconds:.2f}s on the wire" if s.background_seconds else ""
     inside = sum(c.bytes_sent for t, c in s.by_tag.items() if t in FSDP_TAGS)
     inside_text = f", {inside / MB:.3f} MB of it FSDP2's inside the groups" if inside else ""
+    across = ""
+    if s.grouped:  # the slow link's share first: what a run across sites pays for
+        once = s.across_bytes - s.across_steady_bytes_per_step * s.steps
+        once_text = f" + {once / MB:.3f} MB once at setup" if once > 0.5 else ""
+        across = (
+            f"between groups {s.across_bytes / MB:.3f} MB ({s.across_steady_bytes_per_step / MB:.4f} MB/step"
+            f"{once_text}); in all "
+        )
     return (
-        f"[comm] steps {s.steps}: sent {s.bytes_sent / MB:.3f} MB ({s.steady_bytes_per_step / MB:.4f} MB/step{setup}"
-        f"{inside_text})"
+        f"[comm] steps {s.steps}: {across}sent {s.bytes_sent / MB:.3f} MB"
+        f" ({s.steady_bytes_per_step / MB:.4f} MB/step{setup}{inside_text})"
         f" in {s.calls} calls; waited {s.comm_seconds:.2f}s for communication"
         f" ({100 * share:.0f}% of wall time), compute {s.compute_seconds:.2f}s{background}"
         + (f"; by kind: {tags}" if tags else "")

@@ -224,6 +224,21 @@ def check_lighthouse(config: FaultTolerance) -> None:
         ) from err
 
 
+class _NoFlightRecorderNote(logging.Filter):
+    """Drops torchft's warning that NCCL's flight recorder cannot be reset: it comes at every quorum
+    from a torch build without NCCL (a CPU build), where replicas exchange over gloo and there is
+    no NCCL trace to keep right."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+def _quiet_flight_recorder() -> None:
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
+        manager_log.addFilter(_NoFlightRecorderNote())
+
+
 class ReplicaCommunicator(Communicator):
     """The collectives of one quorum, over torchft's reconfigurable process group (one member per
     replica). Made anew for every quorum (its rank and size are the quorum's); charges the
@@ -236,6 +251,7 @@ class ReplicaCommunicator(Communicator):
         self.pg = pg
         self.device = device
         super().__init__(rank=rank, world_size=world_size, stats=stats)
+        self.ranks, self.crosses = None, True  # between replicas: the slow link
 
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
         from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
@@ -346,6 +362,8 @@ class ReplicaSync:
         # the replica's own (its per-step gradient all-reduce)
         pg_class = torchft.ProcessGroupGloo if self.host else torchft.ProcessGroupNCCL
         self.pg = pg_class(timeout=timeout)
+        if self.host:  # no NCCL here: torchft's note about NCCL's flight recorder (every quorum) says nothing
+            _quiet_flight_recorder()
         hostname = config.hostname or socket.gethostname()
         self.manager = torchft.Manager(
             checkpoint_transport=_advertised_http_transport(hostname, timeout),

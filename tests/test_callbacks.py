@@ -121,3 +121,26 @@ def test_the_summary_says_how_much_of_the_traffic_fsdp2_sent_inside_the_groups()
     plain = CommStats()
     plain.record("grad", 500_000, 0.0)
     assert "inside the groups" not in format_summary(plain.snapshot())
+
+
+def test_the_summary_leads_with_what_crossed_between_the_groups():
+    from lightning_commstrats.callbacks import format_summary
+    from lightning_commstrats.comm import CommStats
+
+    stats = CommStats()
+    stats.set_groups(2)  # sites of ranks 0-1 and 2-3
+    assert stats.spans_groups((0, 2)) and stats.spans_groups((0, 1, 2, 3)) and not stats.spans_groups((2, 3))
+    stats.record("setup", 1_000_000, 0.0, across=True)
+    stats.record("fsdp_gather", 3_000_000, 0.0)
+    stats.record("pseudo_grad", 500_000, 0.0, across=True)
+    stats.mark_step()
+    stats.record("pseudo_grad", 300_000, 0.0, across=True)
+    stats.mark_step()
+    line = format_summary(stats.snapshot())
+    assert line.startswith(
+        "[comm] steps 2: between groups 1.800 MB (0.4000 MB/step + 1.000 MB once at setup); in all sent 4.800 MB"
+    ), line
+    assert stats.snapshot().as_dict()["across/pseudo_grad/bytes_sent"] == 800_000
+    alone = CommStats()  # no groups: no such figure
+    alone.record("grad", 500_000, 0.0)
+    assert "between groups" not in format_summary(alone.snapshot())

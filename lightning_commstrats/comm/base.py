@@ -61,6 +61,12 @@ class Communicator(ABC):
         self.rank = rank
         self.world_size = world_size
         self.stats = CommStats() if stats is None else stats
+        if not hasattr(self, "ranks"):  # a subclass that knows its channel's ranks sets them first
+            self.ranks: tuple[int, ...] | None = tuple(range(world_size))
+            """The run's ranks this channel joins, in its rank order (None: not known); a world's."""
+        self.crosses: bool | None = None
+        """Whether the channel joins ranks of different groups: None, from :attr:`ranks` and the
+        statistics' groups; True for a channel between replicas."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size})"
@@ -203,7 +209,9 @@ class Communicator(ABC):
         mine = next(i for i, g in enumerate(groups) if self.rank in g)
         if len(groups) == 1:
             return self
-        return self._new_subgroups(groups, mine)
+        made = self._new_subgroups(groups, mine)
+        made.ranks = None if self.ranks is None else tuple(self.ranks[r] for r in groups[mine])
+        return made
 
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:
         raise NotImplementedError(f"{type(self).__name__} cannot make subgroups")
@@ -219,7 +227,9 @@ class Communicator(ABC):
         """
         if self.world_size == 1:
             return self
-        return self._duplicate(host)
+        made = self._duplicate(host)
+        made.ranks, made.crosses = self.ranks, self.crosses
+        return made
 
     def _duplicate(self, host: bool) -> Communicator:
         raise NotImplementedError(f"{type(self).__name__} cannot make a second channel")
@@ -230,7 +240,9 @@ class Communicator(ABC):
         same order, and then use the channel in lockstep."""
         if self.world_size == 1:
             return None
-        return self._flag_channel()
+        made = self._flag_channel()
+        made.crosses = self.crosses_groups
+        return made
 
     def _flag_channel(self) -> FlagChannel:
         raise NotImplementedError(f"{type(self).__name__} has no flag channel")
@@ -271,7 +283,12 @@ class Communicator(ABC):
             fn()
         except Exception as err:  # a peer died or hung: say which, on this rank, and stop
             raise self.failure(f"a collective ({tag})", err, time.perf_counter() - start) from err
-        self.stats.record(tag, nbytes, on_device.stop() if on_device else time.perf_counter() - start)
+        seconds = on_device.stop() if on_device else time.perf_counter() - start
+        self.stats.record(tag, nbytes, seconds, across=self.crosses_groups())
+
+    def crosses_groups(self) -> bool:
+        """Whether this channel's traffic goes between groups (sites) or replicas: the slow link."""
+        return self.crosses if self.crosses is not None else self.stats.spans_groups(self.ranks)
 
     def failure(self, what: str, err: BaseException, seconds: float | None = None) -> CollectiveError:
         """The :class:`CollectiveError` to raise for ``err``, a failure of ``what`` on this rank (one
@@ -306,6 +323,8 @@ class FlagChannel(ABC):
         self.stats = stats
         self._diagnose = diagnose
         self._pending = False
+        self.crosses: Callable[[], bool] = lambda: False
+        """Whether its rounds go between groups: the communicator's answer (set where it is made)."""
 
     def start(self, flag: bool) -> None:
         if self._pending:
@@ -324,7 +343,7 @@ class FlagChannel(ABC):
         except Exception as err:  # a peer stopped: say which where the backend can tell
             why = self._diagnose() if self._diagnose is not None else ""
             raise CollectiveError(f"a flag round (control) failed{': ' + why if why else ''}. {err}") from err
-        self.stats.record("control", 4, time.perf_counter() - waiting)
+        self.stats.record("control", 4, time.perf_counter() - waiting, across=self.crosses())
         return bool(value)
 
     @property

@@ -123,6 +123,10 @@ class CommSnapshot:
         steps: optimizer steps in the interval.
         by_tag: the same counters split by traffic kind (``"grad"``, ``"weights"``, ``"control"``...).
         background_seconds: seconds collectives ran beside the loop, on other threads.
+        across_by_tag: per tag, the bytes this rank sent on channels that join ranks of different
+            groups (sites; see :meth:`CommStats.set_groups`) or replicas: the slow link's share.
+        grouped: whether the run's ranks are in groups (or replicas), so that ``across`` means
+            something.
     """
 
     bytes_sent: int = 0
@@ -132,6 +136,19 @@ class CommSnapshot:
     steps: int = 0
     by_tag: dict[str, CommCounters] = field(default_factory=dict)
     background_seconds: float = 0.0
+    across_by_tag: dict[str, int] = field(default_factory=dict)
+    grouped: bool = False
+
+    @property
+    def across_bytes(self) -> int:
+        """Bytes this rank sent between groups (or replicas), one-time traffic included."""
+        return sum(self.across_by_tag.values())
+
+    @property
+    def across_steady_bytes_per_step(self) -> float:
+        """Bytes per optimizer step this rank sent between groups, without the one-time traffic."""
+        steady = sum(b for t, b in self.across_by_tag.items() if t not in ONE_TIME_TAGS)
+        return steady / self.steps if self.steps else 0.0
 
     @property
     def compute_seconds(self) -> float:
@@ -157,10 +174,17 @@ class CommSnapshot:
 
     def as_dict(self) -> dict[str, float]:
         """Flat dictionary, e.g. for loggers or JSON; per-tag entries as ``"<tag>/bytes_sent"``."""
-        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "by_tag"}
+        out: dict[str, float] = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("by_tag", "across_by_tag", "grouped")
+        }
         out["compute_seconds"] = self.compute_seconds
         out["setup_bytes"] = self.setup_bytes
         out["steady_bytes_per_step"] = self.steady_bytes_per_step
+        if self.grouped:
+            out["across/bytes_sent"] = self.across_bytes
+            out["across/steady_bytes_per_step"] = self.across_steady_bytes_per_step
+            for tag, nbytes in sorted(self.across_by_tag.items()):
+                out[f"across/{tag}/bytes_sent"] = nbytes
         for tag, counters in sorted(self.by_tag.items()):
             for f in fields(counters):
                 out[f"{tag}/{f.name}"] = getattr(counters, f.name)
@@ -190,6 +214,10 @@ class CommStats:
         self._total = CommCounters()
         self._by_tag: dict[str, CommCounters] = {}
         self._pending: list[tuple[str, PendingSeconds, bool]] = []
+        self._across: dict[str, int] = {}
+        self.group_size: int | None = None
+        """Ranks per group (site) when the run's ranks are in several groups, else None."""
+        self._spans: dict[tuple[int, ...], bool] = {}
         self._loop_thread = threading.get_ident()
         self.steps = 0
         self._clock_start = time.perf_counter()
@@ -197,9 +225,34 @@ class CommStats:
         self._step_start = self._mark  # the mark the last step started at
         self.last_step = CommSnapshot()
 
-    def record(self, tag: str, nbytes: int, seconds: float | PendingSeconds, *, background: bool | None = None) -> None:
+    def set_groups(self, group_size: int | None) -> None:
+        """The run's ranks are in groups of ``group_size`` consecutive ranks (sites on slow links
+        between them; None: no groups): a collective on a channel that joins ranks of different
+        groups is charged to the ``across`` figures too."""
+        self.group_size = group_size
+        self._spans.clear()
+
+    def spans_groups(self, ranks: tuple[int, ...] | None) -> bool:
+        """Whether a channel over the run's ``ranks`` joins ranks of different groups."""
+        if self.group_size is None or ranks is None:
+            return False
+        spans = self._spans.get(ranks)
+        if spans is None:
+            spans = self._spans[ranks] = len({r // self.group_size for r in ranks}) > 1
+        return spans
+
+    def record(
+        self,
+        tag: str,
+        nbytes: int,
+        seconds: float | PendingSeconds,
+        *,
+        background: bool | None = None,
+        across: bool = False,
+    ) -> None:
         """Charge one collective of ``nbytes`` sent bytes and ``seconds`` (a number, or a
-        :class:`PendingSeconds` read when the statistics are) to ``tag``.
+        :class:`PendingSeconds` read when the statistics are) to ``tag``; ``across``: it went over
+        a channel between groups (or replicas), charged to the ``across`` figures too.
 
         The seconds are the loop's waiting when the collective was issued from the training loop's
         thread, background seconds otherwise; ``background`` overrides that."""
@@ -210,6 +263,8 @@ class CommStats:
             now = 0.0 if pending else seconds
             self._total.add(nbytes, now, background)
             self._by_tag.setdefault(tag, CommCounters()).add(nbytes, now, background)
+            if across:
+                self._across[tag] = self._across.get(tag, 0) + nbytes
             if pending:
                 self._pending.append((tag, seconds, background))
             crowded = len(self._pending) >= _SETTLE_EVERY
@@ -326,6 +381,7 @@ class CommStats:
         with self._lock:
             total = self._total.copy()
             tags = {tag: c.copy() for tag, c in self._by_tag.items()}
+            across = dict(self._across)
         return CommSnapshot(
             bytes_sent=total.bytes_sent,
             calls=total.calls,
@@ -334,6 +390,8 @@ class CommStats:
             steps=self.steps,
             by_tag=tags,
             background_seconds=total.background_seconds,
+            across_by_tag=across,
+            grouped=self.group_size is not None or bool(across),
         )
 
     def __repr__(self) -> str:
@@ -354,4 +412,9 @@ def delta(later: CommSnapshot, earlier: CommSnapshot) -> CommSnapshot:
         steps=later.steps - earlier.steps,
         by_tag={t: later.by_tag.get(t, CommCounters()) - earlier.by_tag.get(t, CommCounters()) for t in tags},
         background_seconds=later.background_seconds - earlier.background_seconds,
+        across_by_tag={
+            t: later.across_by_tag.get(t, 0) - earlier.across_by_tag.get(t, 0)
+            for t in set(later.across_by_tag) | set(earlier.across_by_tag)
+        },
+        grouped=later.grouped,
     )

@@ -190,6 +190,8 @@ class TorchCommunicator(Communicator):
         self.heartbeat = heartbeat
         # fixed now, not looked up per call: a background thread's current CUDA device is cuda:0
         self.device = nccl_device(device) if self.backend == "nccl" else torch.device("cpu")
+        if group is not None and group is not dist.group.WORLD:
+            self.ranks = tuple(dist.get_process_group_ranks(group))
         super().__init__(rank=dist.get_rank(group), world_size=dist.get_world_size(group), stats=stats)
 
     def _new_subgroups(self, groups: list[list[int]], mine: int) -> Communicator:

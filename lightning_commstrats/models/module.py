@@ -8,6 +8,7 @@ Gradient clipping is the Trainer's (``gradient_clip_val``).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning as L
@@ -23,6 +24,10 @@ from lightning_commstrats.models.ffn import FFNLM, FFNConfig
 from lightning_commstrats.models.lstm import LSTMLM, LSTMConfig
 from lightning_commstrats.models.transformer import TransformerConfig, TransformerLM
 from lightning_commstrats.moe import update_expert_biases
+
+# Sharded with FSDP2, this model is the root unit; its output (a Linear's, a view) is read only by the
+# loss and the metrics, out of place, so FSDP2's warning about in-place ops on a view does not apply
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPLanguageModel\) returned a view tensor")
 
 ARCHS = ("lstm", "ffn", "transformer")
 OPTIMIZERS = ("sgd", "adam", "adamw")

@@ -202,6 +202,10 @@ class Sharding:
         else:
             self.units = apply_fsdp(module, self.shard_mesh, self.policy, dtypes, ignored)
             self._mine.add(module)
+            if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+                # FSDP2 warns (once a process) about in-place ops on the root's output when it is a
+                # view, as a Linear's is: once, from rank 0, says it
+                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
             log.info("shard='fsdp': units %s and the root, over %s", self.units, self.shard_mesh)
         if self.stats is not None:
             count_fsdp_traffic(module, self.stats)

@@ -46,6 +46,7 @@ Lightning here.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -260,7 +261,10 @@ def materialize(
     devices = [device] if device.type == "cuda" else []
     called = []
     base = torch.initial_seed()
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings():
+        # DTensor says its random operators may be incomplete on a CPU mesh: each rank then draws its
+        # own shard from its own generator, which the seeds below set per initialiser and per rank
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         tensors = _named_tensors(root)
         for name in marked:  # what no initialiser writes keeps the mark, bit for bit, and is found below
             as_int, mark = MARKS[tensors[name].dtype]

@@ -38,6 +38,11 @@ class _Allocate:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
+# torch 2.13 names these collectives *_single and warns (FutureWarning, once per rank) at the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class CountedAllGather(_Allocate):
     """FSDP2's all-gather of a unit's flat shards, charged to ``stats`` under :data:`GATHER_TAG`."""
 
@@ -45,7 +50,7 @@ class CountedAllGather(_Allocate):
         self.stats = stats
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False) -> Any:
-        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         world = dist.get_world_size(group)
         self.stats.record(GATHER_TAG, all_gather_bytes(input_tensor.numel(), input_tensor.element_size(), world), 0.0)
         return work
@@ -58,7 +63,7 @@ class CountedReduceScatter(_Allocate):
         self.stats = stats
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world = dist.get_world_size(group)
         nbytes = reduce_scatter_bytes(input_tensor.numel(), input_tensor.element_size(), world)
         self.stats.record(REDUCE_TAG, nbytes, 0.0)

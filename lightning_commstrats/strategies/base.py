@@ -324,6 +324,12 @@ class CommStrategy(RankDevices, ParallelStrategy):
                     f" run `mpiexec -n {self.num_nodes * self.num_processes} python <script>`"
                 )
 
+    def site_size(self) -> int | None:
+        """Ranks per group of fast links (a site) when the run has several such groups of more than
+        one rank, else None: the communication statistics charge what crosses between them apart."""
+        topology = self.topology
+        return topology.group_size if topology.group_size > 1 and topology.num_groups > 1 else None
+
     def check_layout(self, world_size: int) -> None:
         """Raise ``ValueError`` naming the setting when ``world_size`` ranks (``devices`` x ``num_nodes``)
         cannot be laid out as asked (``group_size`` must divide them): called before the ranks start, so
@@ -395,6 +401,7 @@ class CommStrategy(RankDevices, ParallelStrategy):
                 timeout=self._timeout,
             )
         self.topology = Topology.of(self.world_size, self.num_processes, self.group_size, self.shard)
+        self._comm.stats.set_groups(self.site_size())  # what crosses between them: the [comm] line's first figure
         if self.sharding is not None and self.sharding.mesh is None:
             self.sharding.connect(self._comm, self.num_processes, self.root_device)
             assert self.sharding.cross is not None

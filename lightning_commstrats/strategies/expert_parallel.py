@@ -153,6 +153,13 @@ class ExpertParallelStrategy(AllReduceStrategy):
             self.group_size = self.sharding.group_size = inner
 
     @override
+    def site_size(self) -> int | None:
+        # the inner dimension's consecutive ranks sit on fast links: the tokens' all-to-all stays
+        # inside them with inner="ep", the expert gradients' all-reduce with inner="dp"
+        inner = self._inner_size(self.world_size)
+        return inner if 1 < inner < self.world_size else None
+
+    @override
     def check_layout(self, world_size: int) -> None:
         """The expert layout fits ``world_size`` ranks (checked before they start)."""
         self._inner_size(world_size)

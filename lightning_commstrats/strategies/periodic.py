@@ -163,7 +163,7 @@ class PeriodicSyncStrategy(CommStrategy):
             survives replicas dying and coming back (torchft; the ``[ft]`` extra). The job's own
             ranks then average their gradients every step (synchronous data parallelism inside the
             replica); the pseudo-gradient is averaged across the replicas alive at each sync. See
-            :mod:`lightning_commstrats.fault_tolerance` and the README's walk-through. Needs
+            :mod:`lightning_commstrats.fault_tolerance` and the walk-through in docs/fault_tolerance.md. Needs
             ``sync_period_unit="steps"`` and no warm start.
         outer_state: where the global copy and the outer optimizer's state live on a CUDA run:
             ``"host"`` (default: pinned host memory, the outer step on the CPU, a fragment at a time

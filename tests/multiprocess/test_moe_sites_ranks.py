@@ -50,6 +50,18 @@ def test_a_sync_every_step_equals_expert_parallel_and_a_longer_period_keeps_grou
         group = [0, 1] if rank < 2 else [2, 3]
         assert sites["all_to_all_ranks"] == group and r["sites_period"]["all_to_all_ranks"] == group
         assert sites["tokens_bytes"] > 0
+        # what crossed between the sites (ranks 0-1 | 2-3): the weights' averaging (rank i with rank i)
+        # for the sites, the gradients' all-reduce for expert_parallel (ep inside, dp across), and the
+        # world's small messages; never the tokens' all-to-all nor FSDP2's gathers inside a site
+        for run, crossing in ((sites, "weights"), (reference, "grad")):
+            stats = run["stats"]
+            tags = {key.split("/")[0] for key in stats if key.endswith("/bytes_sent") and stats[key]} - {"across"}
+            inside = {"tokens", "tokens_meta", "fsdp_gather", "fsdp_reduce"}
+            assert crossing in tags and "tokens" in tags, tags
+            for tag in tags:
+                across = stats.get(f"across/{tag}/bytes_sent", 0)
+                assert across == (0 if tag in inside else stats[f"{tag}/bytes_sent"]), (rank, tag, across)
+            assert stats["across/bytes_sent"] == sum(stats[f"{t}/bytes_sent"] for t in tags - inside)
     for i in (0, 1):  # after the last sync rank i of both groups holds the same experts and dense shard
         a, b = runs[i]["sites_period"]["whole"], runs[i + 2]["sites_period"]["whole"]
         for name, t in a.items():
