@@ -120,7 +120,7 @@ def predict(
             spec.scheme,
             spec.settings,
             model,
-            bandwidth_bits=bw,
+            bandwidth=bw / 1e6,  # Mbit/s
             compute_seconds=compute,
             ranks=ranks,
             tokens_per_rank=tokens,

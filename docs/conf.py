@@ -107,7 +107,43 @@ class RegistryTable(SphinxDirective):
         return container.children
 
 
+# The support matrix's values that stand for a setting in the sentence ``supported-schemes`` writes.
+SUPPORT_SETTINGS = {
+    "shard": ("shard", "fsdp-2groups", '`shard="fsdp"`'),
+    "fault_tolerance": ("replicas", "fault_tolerance", "`fault_tolerance=`"),
+}
+
+
+def schemes_accepting(axis: str, value: str) -> tuple[list[str], list[str]]:
+    """(schemes that some supported combination runs with ``axis=value``, the others), in registry order,
+    from the support matrix (``lightning_commstrats.support``)."""
+    from lightning_commstrats import support
+
+    ok = {p[1] for p in support.allowed_pairs() if p[0] == "scheme" and (p[2], p[3]) == (axis, value)}
+    schemes = support.AXES["scheme"]
+    return [s for s in schemes if s in ok], [s for s in schemes if s not in ok]
+
+
+class SupportedSchemes(SphinxDirective):
+    """One sentence naming the schemes that accept a setting and those that refuse it, made from the
+    support matrix when the site is built: ``supported-schemes`` with ``shard`` or ``fault_tolerance``."""
+
+    required_arguments = 1
+
+    def run(self) -> list[nodes.Node]:
+        axis, value, words = SUPPORT_SETTINGS[self.arguments[0]]
+        ok, refused = schemes_accepting(axis, value)
+        sentence = (
+            f"{words} works with {', '.join(f'`{s}`' for s in ok)}. "
+            f"{', '.join(f'`{s}`' for s in refused)} refuse it when the strategy is built."
+        )
+        container = nodes.container()
+        self.state.nested_parse(StringList([sentence], source="lightning_commstrats.support"), 0, container)
+        return container.children
+
+
 def setup(app: Any) -> dict[str, Any]:
     app.connect("autodoc-skip-member", skip_foreign_members)
     app.add_directive("registry-table", RegistryTable)
+    app.add_directive("supported-schemes", SupportedSchemes)
     return {"parallel_read_safe": True}

@@ -174,7 +174,7 @@ class CommStatsMonitor(Callback):
                 if held is not None:
                     figures["process_memory"] = held
                 shown = format_memory(figures["memory"], held)
-                summary += f"\n[memory] rank {trainer.global_rank}: {shown}"
+                summary += f"\n[memory] rank {trainer.global_rank}: held at the end of fit: {shown}"
                 if every:
                     summary += f"\n[memory] {format_ranks_peaks(every)}"
         if self.summary_at_end:

@@ -25,10 +25,10 @@ def test_candidates_are_ranked_by_predicted_step_with_hand_computed_times():
     compute = 0.01
     found = advisor.advise(
         SHAPES,
-        bandwidth_bits=B,
+        bandwidth=B / 1e6,
         compute_seconds=compute,
         ranks=N,
-        candidates=[
+        schemes=[
             ("allreduce", {}),
             ("diloco", {"sync_period": 8, "pseudo_grad_bits": 32}),
             ("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}),
@@ -65,7 +65,7 @@ def test_streaming_diloco_stalls_only_for_what_its_delay_does_not_hide():
 
     def step(compute):
         return advisor.predict(
-            "streaming_diloco", settings, ModelShape(tuple(SHAPES)), bandwidth_bits=B, compute_seconds=compute, ranks=N
+            "streaming_diloco", settings, ModelShape(tuple(SHAPES)), bandwidth=B / 1e6, compute_seconds=compute, ranks=N
         )
 
     hidden = step(0.01)  # both exchanges (4.8 ms and 1.26 ms) fit behind one 10 ms step
@@ -76,9 +76,9 @@ def test_streaming_diloco_stalls_only_for_what_its_delay_does_not_hide():
 
 
 def test_the_recommendation_prefers_the_exact_scheme_when_the_link_is_fast():
-    found = advisor.advise(SHAPES, bandwidth_bits=1e12, compute_seconds=0.1, ranks=N)
+    found = advisor.advise(SHAPES, bandwidth=1e6, compute_seconds=0.1, ranks=N)
     assert advisor.recommend(found).scheme == "allreduce"
-    slow = advisor.advise(SHAPES, bandwidth_bits=1e6, compute_seconds=0.1, ranks=N)
+    slow = advisor.advise(SHAPES, bandwidth=1, compute_seconds=0.1, ranks=N)
     assert advisor.recommend(slow).changes_optimisation
     assert advisor.recommend(slow).step_seconds <= 1.05 * slow[0].step_seconds
 
@@ -118,37 +118,37 @@ def test_the_dense_statistical_codec_ranks_after_uniform_pseudo_gradients_at_the
 
 
 def test_one_rank_communicates_nothing():
-    for c in advisor.advise(SHAPES, bandwidth_bits=B, compute_seconds=0.5, ranks=1):
+    for c in advisor.advise(SHAPES, bandwidth=B / 1e6, compute_seconds=0.5, ranks=1):
         assert c.comm_seconds == 0 and c.step_seconds == 0.5
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"bandwidth_bits": 0}, "bandwidth_bits"),
-        ({"bandwidth_bits": -5.0}, "bandwidth_bits"),
-        ({"bandwidth_bits": math.inf}, "bandwidth_bits"),
+        ({"bandwidth": 0}, "bandwidth"),
+        ({"bandwidth": -5.0}, "bandwidth"),
+        ({"bandwidth": math.inf}, "bandwidth"),
         ({"ranks": 0}, "ranks must be an int >= 1"),
         ({"ranks": 2.0}, "ranks must be an int >= 1"),
         ({"compute_seconds": -0.1}, "compute_seconds"),
-        ({"candidates": ["allreduce", "no_such_scheme"]}, "candidates: unknown scheme 'no_such_scheme'"),
-        ({"candidates": [("diloco", {"period": 8})]}, r"settings \['period'\]"),
-        ({"candidates": [("diloco", {"sync_period": 8, "pseudo_grad_bits": 3})]}, "pseudo_grad_bits=3"),
-        ({"candidates": [("bmuf", {"sync_period": 8, "sync_period_unit": "samples"})]}, "sync_period_unit"),
-        ({"candidates": ["sampled_vocab"], "vocab_size": 1000}, "vocab_size and vocab_width"),
+        ({"schemes": ["allreduce", "no_such_scheme"]}, "schemes: unknown scheme 'no_such_scheme'"),
+        ({"schemes": [("diloco", {"period": 8})]}, r"settings \['period'\]"),
+        ({"schemes": [("diloco", {"sync_period": 8, "pseudo_grad_bits": 3})]}, "pseudo_grad_bits=3"),
+        ({"schemes": [("bmuf", {"sync_period": 8, "sync_period_unit": "samples"})]}, "sync_period_unit"),
+        ({"schemes": ["sampled_vocab"], "vocab_size": 1000}, "vocab_size and vocab_width"),
     ],
 )
 def test_bad_input_raises_a_value_error_naming_the_argument(kwargs, match):
-    args = {"bandwidth_bits": B, "compute_seconds": 0.1, "ranks": N, **kwargs}
+    args = {"bandwidth": B / 1e6, "compute_seconds": 0.1, "ranks": N, **kwargs}
     with pytest.raises(ValueError, match=match):
         advisor.advise(SHAPES, **args)
 
 
 def test_a_model_without_parameters_is_refused():
     with pytest.raises(ValueError, match="no trainable parameters"):
-        advisor.advise([], bandwidth_bits=B, compute_seconds=0.1, ranks=N)
+        advisor.advise([], bandwidth=B / 1e6, compute_seconds=0.1, ranks=N)
     with pytest.raises(ValueError, match="model_or_shapes must be"):
-        advisor.advise(3, bandwidth_bits=B, compute_seconds=0.1, ranks=N)
+        advisor.advise(3, bandwidth=B / 1e6, compute_seconds=0.1, ranks=N)
 
 
 def test_sampled_rows_estimate_by_hand():
@@ -168,7 +168,7 @@ def test_the_vocabulary_of_a_packaged_model_comes_from_its_declaration():
 
 
 def test_the_command_prints_a_table_for_a_packaged_config(capsys):
-    args = ["--config", "lstm_tiny", "--bandwidth", "100", "--compute-seconds", "0.05", "--ranks", "2"]
+    args = ["--config", "lstm_tiny", "--bandwidth", "100", "--compute-seconds", "0.05", "--ranks", "2", "--full"]
     assert advisor.main(args) == 0
     out = capsys.readouterr().out
     assert "Recommended: **" in out
@@ -185,7 +185,7 @@ def test_the_command_prints_a_table_for_a_packaged_config(capsys):
         ("--bandwidth", "0", "--bandwidth must be a finite rate > 0 Mbit/s, got 0"),
         ("--compute-seconds", "-1", "--compute-seconds must be a finite number of seconds >= 0, got -1"),
         ("--ranks", "0", "--ranks must be >= 1, got 0"),
-        ("--schemes", "nope", "candidates: unknown scheme 'nope'"),
+        ("--schemes", "nope", "schemes: unknown scheme 'nope'"),
     ],
 )
 def test_the_command_refuses_bad_values_naming_the_option(option, value, message, capsys):
@@ -199,7 +199,7 @@ def test_the_command_refuses_bad_values_naming_the_option(option, value, message
 def test_the_command_reads_parameter_shapes_from_json(tmp_path, capsys):
     path = tmp_path / "shapes.json"
     path.write_text('{"shapes": [[1000, 64], [64], [256, 64]], "vocab_size": 1000, "vocab_width": 64}')
-    args = ["--shapes", str(path), "--bandwidth", "100", "--compute-seconds", "0.01", "--ranks", "4"]
+    args = ["--shapes", str(path), "--bandwidth", "100", "--compute-seconds", "0.01", "--ranks", "4", "--full"]
     assert advisor.main([*args, "--schemes", "allreduce", "sampled_vocab", "--sampled-rows", "100"]) == 0
     out = capsys.readouterr().out
     assert "80,448 parameters in 3 tensors, vocabulary 1000 x 64" in out
@@ -403,7 +403,7 @@ def test_every_registered_scheme_is_advised_or_out_of_scope_with_a_reason():
     assert all(len(reason) > 40 for reason in advisor.OUT_OF_SCOPE.values())
     for name in advisor.OUT_OF_SCOPE:
         with pytest.raises(ValueError, match=f"the advisor does not predict '{name}'"):
-            advisor.advise(SHAPES, bandwidth_bits=B, compute_seconds=0.1, ranks=N, candidates=[name])
+            advisor.advise(SHAPES, bandwidth=B / 1e6, compute_seconds=0.1, ranks=N, schemes=[name])
     # the schemes that run sharded are those whose strategy says so
     from lightning_commstrats.strategies import STRATEGIES
 
@@ -466,7 +466,7 @@ def test_sparseloco_bytes_by_hand():
     settings = {"sync_period": 4, "topk_chunk": 64, "topk_per_chunk": 8, "small_tensor_numel": 16}
     settings["fragment_sync_delay"] = 0
     c = advisor.predict(
-        "sparseloco", settings, [(16, 32), (16,), (2, 16), (2,)], bandwidth_bits=B, compute_seconds=0.1, ranks=3
+        "sparseloco", settings, [(16, 32), (16,), (2, 16), (2,)], bandwidth=B / 1e6, compute_seconds=0.1, ranks=3
     )
     assert c.bytes_per_step == (2 * 9 * 15 + 2 * 2 * 6 * 4) / 4
 
@@ -474,7 +474,7 @@ def test_sparseloco_bytes_by_hand():
 def test_the_command_prints_memory_per_rank_with_and_without_shard(tmp_path, capsys):
     path = tmp_path / "shapes.json"
     path.write_text('{"shapes": [[1000, 64], [64], [256, 64]], "vocab_size": 1000, "vocab_width": 64}')
-    base = ["--shapes", str(path), "--bandwidth", "100", "--compute-seconds", "0.01", "--ranks", "4"]
+    base = ["--shapes", str(path), "--bandwidth", "100", "--compute-seconds", "0.01", "--ranks", "4", "--all"]
     schemes = ["--schemes", "allreduce", "sampled_vocab", "--sampled-rows", "100"]
     assert advisor.main([*base, *schemes, "--shard", "2"]) == 0
     out = capsys.readouterr().out

@@ -49,7 +49,7 @@ def predicted(j: int, shard: int | None, budget: int = BUDGET) -> advisor.Candid
         "diloco",
         {"sync_period": 2},
         model,
-        bandwidth_bits=1e9,
+        bandwidth=1000,
         compute_seconds=1.0,
         ranks=4,
         shard=shard,
@@ -177,9 +177,7 @@ def test_activations_are_what_autograd_saves_and_the_output():
 
 
 def test_the_allocator_factor_and_the_process_term_are_parameters():
-    c = advisor.predict(
-        "allreduce", {}, [(1000, 64)], bandwidth_bits=1e9, compute_seconds=0.1, ranks=2, accelerator="cpu"
-    )
+    c = advisor.predict("allreduce", {}, [(1000, 64)], bandwidth=1000, compute_seconds=0.1, ranks=2, accelerator="cpu")
     held = c.peak_parts.held + c.peak_parts.top[1]
     assert c.peak == held + advisor.HOST_PROCESS_BYTES
     # glibc's defaults keep freed blocks: no measured factor holds, give one
@@ -187,18 +185,18 @@ def test_the_allocator_factor_and_the_process_term_are_parameters():
         "allreduce",
         {},
         [(1000, 64)],
-        bandwidth_bits=1e9,
+        bandwidth=1000,
         compute_seconds=0.1,
         ranks=2,
         accelerator="cpu",
-        overhead=1.5,
+        memory_overhead=1.5,
         process_bytes=0,
     )
     assert wide.peak == math.ceil(1.5 * held)
     for bad, match in [
-        ({"overhead": 0.9}, "overhead must be a finite number >= 1"),
+        ({"memory_overhead": 0.9}, "memory_overhead must be a finite number >= 1"),
         ({"activations": -1}, "activations must be a number of bytes >= 0"),
         ({"process_bytes": 1.5}, "process_bytes must be a number of bytes >= 0"),
     ]:
         with pytest.raises(ValueError, match=match):
-            advisor.predict("allreduce", {}, [(1000, 64)], bandwidth_bits=1e9, compute_seconds=0.1, ranks=2, **bad)
+            advisor.predict("allreduce", {}, [(1000, 64)], bandwidth=1000, compute_seconds=0.1, ranks=2, **bad)

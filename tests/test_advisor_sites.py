@@ -73,13 +73,13 @@ def test_the_sharded_layout_prices_in_group_and_cross_group_traffic_each_on_its_
     in_group = 3 * 3 * local * 4  # two all-gathers and a reduce-scatter, 3 parts sent each
     found = advisor.advise(
         SHAPES,
-        link_inside_bits=inside,
-        link_between_bits=between,
+        link_inside=inside / 1e6,
+        link_between=between / 1e6,
         compute_seconds=compute,
         ranks=8,
         shard=4,
         units=units,
-        candidates=[("allreduce", {}), ("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}), "onebit_adam"],
+        schemes=[("allreduce", {}), ("diloco", {"sync_period": 8, "pseudo_grad_bits": 4}), "onebit_adam"],
     )
     allreduce = next(c for c in found if c.scheme == "allreduce")
     s = allreduce.sharded
@@ -96,7 +96,7 @@ def test_the_sharded_layout_prices_in_group_and_cross_group_traffic_each_on_its_
         "diloco",
         {"sync_period": 8, "pseudo_grad_bits": 4},
         [(250, 64), (16,), (64, 64)],
-        bandwidth_bits=between,
+        bandwidth=between / 1e6,
         compute_seconds=compute,
         ranks=2,
     )
@@ -104,12 +104,19 @@ def test_the_sharded_layout_prices_in_group_and_cross_group_traffic_each_on_its_
     assert all(c.sharded is None for c in found if c.scheme == "onebit_adam")  # it does not run sharded
     # one group: every exchange stays inside, on the fast link
     one = advisor.predict(
-        "allreduce", {}, SHAPES, link_inside_bits=inside, link_between_bits=between, compute_seconds=0, ranks=4, shard=4
+        "allreduce",
+        {},
+        SHAPES,
+        link_inside=inside / 1e6,
+        link_between=between / 1e6,
+        compute_seconds=0,
+        ranks=4,
+        shard=4,
     )
     assert one.comm_seconds == pytest.approx(6 * 20112 * 4 * 8 / inside) and one.sharded.between_bytes == 0
-    # bandwidth_bits alone is both links, as before
+    # bandwidth alone is both links, as before
     both = advisor.predict(
-        "allreduce", {}, SHAPES, bandwidth_bits=between, compute_seconds=0, ranks=8, shard=4, units=units
+        "allreduce", {}, SHAPES, bandwidth=between / 1e6, compute_seconds=0, ranks=8, shard=4, units=units
     )
     assert both.sharded.inside_seconds == pytest.approx(in_group * 8 / between)
 
@@ -117,21 +124,21 @@ def test_the_sharded_layout_prices_in_group_and_cross_group_traffic_each_on_its_
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"link_inside_bits": 1e9, "link_between_bits": 1e8}, "link_inside_bits needs shard"),
-        ({"shard": 4, "link_between_bits": 1e8}, "give link_inside_bits"),
-        ({}, r"link_between_bits \(or bandwidth_bits"),
-        ({"shard": 4, "link_inside_bits": 0, "link_between_bits": 1e8}, "link_inside_bits must be a finite"),
-        ({"link_between_bits": -1}, "link_between_bits must be a finite"),
-        ({"bandwidth_bits": 1e8, "device_memory": "80"}, "device_memory='80': give a number and a unit"),
-        ({"bandwidth_bits": 1e8, "device_memory": "-1GiB"}, "must be a size > 0"),
-        ({"bandwidth_bits": 1e8, "device_memory": 0}, "device_memory must be > 0"),
-        ({"bandwidth_bits": 1e8, "overhead": 0.5}, "overhead must be a finite number >= 1"),
-        ({"bandwidth_bits": 1e8, "shard": 4, "gather_dtype": "int8"}, "gather_dtype='int8' is not supported"),
+        ({"link_inside": 1000, "link_between": 100}, "link_inside needs shard"),
+        ({"shard": 4, "link_between": 100}, "give link_inside"),
+        ({}, r"link_between \(or bandwidth"),
+        ({"shard": 4, "link_inside": 0, "link_between": 100}, "link_inside must be a finite"),
+        ({"link_between": -1}, "link_between must be a finite"),
+        ({"bandwidth": 100, "device_memory": "80"}, "device_memory='80': give a number and a unit"),
+        ({"bandwidth": 100, "device_memory": "-1GiB"}, "must be a size > 0"),
+        ({"bandwidth": 100, "device_memory": 0}, "device_memory must be > 0"),
+        ({"bandwidth": 100, "memory_overhead": 0.5}, "memory_overhead must be a finite number >= 1"),
+        ({"bandwidth": 100, "shard": 4, "gather_dtype": "int8"}, "gather_dtype='int8' is not supported"),
     ],
 )
 def test_bad_links_and_memory_are_refused_naming_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        advisor.advise(SHAPES, compute_seconds=0.1, ranks=8, candidates=["allreduce"], **kwargs)
+        advisor.advise(SHAPES, compute_seconds=0.1, ranks=8, schemes=["allreduce"], **kwargs)
 
 
 def _issue_model():
@@ -179,7 +186,7 @@ def test_the_peak_is_above_the_measured_figures_and_says_what_fits():
     assert model == 302_153_728  # 288 MiB
     acts = _issue_activations()
     assert acts / 2**20 == pytest.approx(89.0, abs=0.1)  # a real CPU forward's resident set grew by 92.5 MiB
-    common = {"optimizer": "sgd", "accelerator": "cpu", "units": units, "bandwidth_bits": 1e9, "ranks": 4}
+    common = {"optimizer": "sgd", "accelerator": "cpu", "units": units, "bandwidth": 1000, "ranks": 4}
     c = advisor.predict("allreduce", {}, shapes, compute_seconds=0.1, shard=4, activations=acts, **common)
     # unsharded: parameters, gradients and the kept buckets (3.0x), the forward's activations on top (0.29x),
     # the process's 37 MiB (0.13x): 3.43x, measured 3.2x
@@ -216,7 +223,9 @@ def test_the_peak_is_above_the_measured_figures_and_says_what_fits():
         advisor.recommend([fit])
     assert advisor.recommend([fit], sharded=True) is fit
     # glibc's defaults keep freed blocks (these runs measured 4.5x where the tensors are 3.0x): a factor to give
-    wide = advisor.predict("allreduce", {}, shapes, compute_seconds=0.1, overhead=1.5, activations=acts, **common)
+    wide = advisor.predict(
+        "allreduce", {}, shapes, compute_seconds=0.1, memory_overhead=1.5, activations=acts, **common
+    )
     assert wide.peak == math.ceil(1.5 * (3 * model + acts)) + advisor.HOST_PROCESS_BYTES
 
 
@@ -256,7 +265,18 @@ def test_the_command_takes_two_links_and_a_device_memory(tmp_path, capsys):
     path = tmp_path / "shapes.json"
     path.write_text('{"shapes": [[1000, 64], [64], [256, 64]], "units": [[0, 1], [2]], "root": []}')
     base = ["--shapes", str(path), "--compute-seconds", "0.01", "--ranks", "8", "--schemes", "allreduce", "diloco"]
-    args = [*base, "--link-inside", "10000", "--link-between", "100", "--shard", "4", "--device-memory", "1.4MiB"]
+    args = [
+        *base,
+        "--link-inside",
+        "10000",
+        "--link-between",
+        "100",
+        "--shard",
+        "4",
+        "--full",
+        "--device-memory",
+        "1.4MiB",
+    ]
     gpu = ["--optimizer", "sgd", "--accelerator", "gpu", "--activations", "100KiB"]
     assert advisor.main([*args, *gpu]) == 0
     out = capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""The README's fault-tolerance walk-through, run as written: the block between its ``walkthrough``
-markers is the single source, run by bash with a short setting through the variables it reads
+"""The fault-tolerance walk-through (docs/fault_tolerance.md), run as written: the block between its
+``walkthrough`` markers is the single source, run by bash with a short setting through the variables it reads
 (``STEPS``, ``PORT``, ``FAIL_AFTER``, ``BACK_AFTER``). It must finish by itself, every replica that
 was not killed exiting with status 0, and leave no process behind (the Lighthouse stopped by PID)."""
 
@@ -18,6 +18,7 @@ import pytest
 from harness import _base_env
 
 REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "fault_tolerance.md"  # the page that holds the walk-through
 BEGIN, END = "<!-- walkthrough:begin", "<!-- walkthrough:end -->"
 LM_LINE = re.compile(r"\[lm\] valid perplexity ([\d.]+)")
 STEPS = 128
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def walkthrough() -> str:
-    """The shell block between the README's walk-through markers."""
-    text = (REPO / "README.md").read_text()
+    """The shell block between the fault-tolerance page's walk-through markers."""
+    text = PAGE.read_text()
     section = text.split(BEGIN, 1)[1].split(END, 1)[0]
     block = re.search(r"^```bash\n(.*?)^```$", section, flags=re.DOTALL | re.MULTILINE)
     assert block, "no ```bash block between the walk-through markers"
@@ -72,7 +73,7 @@ def test_the_block_is_a_script_without_broad_kills():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_the_readme_walkthrough_runs_as_written_and_finishes(tmp_path):
+def test_the_walkthrough_runs_as_written_and_finishes(tmp_path):
     env = _base_env()
     env.pop("TORCHFT_LIGHTHOUSE", None)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

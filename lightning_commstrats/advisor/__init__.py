@@ -3,12 +3,16 @@
 Given a model (or its parameter shapes), the link rate between the ranks, the measured compute
 time of one training step (one rank, no communication) and the number of ranks,
 :func:`advise` predicts the seconds per optimizer step of each candidate scheme and setting
-(period, bits, sampled rows) and returns them fastest first; ``commstrats-advise`` prints them as
-a markdown table::
+(period, bits, sampled rows) and returns them fastest first; ``commstrats-advise`` answers in one
+line (whether it fits, what to run, its bytes and step: :func:`answer_line`, every figure from one
+:class:`Row`), then prints the best few as a short markdown table (``--full``: all of them)::
 
     commstrats-advise --config lstm_demo --bandwidth 100 --compute-seconds 0.63 --ranks 4
-    commstrats-advise --shapes shapes.json --bandwidth 1000 --compute-seconds 0.2 --ranks 8 \\
-        --schemes diloco streaming_diloco
+    commstrats-advise --model pythia-1b --batch-size 1 --seq-len 2048 --ranks 8 --shard 4 \\
+        --link-inside 400000 --link-between 1000 --compute-seconds 0.5 --device-memory 8GiB
+
+The Python API's arguments are the command's flags, in the same units (``bandwidth`` in Mbit/s,
+``schemes``, ``memory_overhead``); the old names are accepted for one more release.
 
 The step time is ``compute + communication``: this package's strategies do not overlap their
 collectives with compute, except ``streaming_diloco``, whose fragment exchanges run in the
@@ -42,52 +46,91 @@ To measure the link between running ranks, :func:`measure_bandwidth` times an al
 known size on the ranks' :class:`~lightning_commstrats.comm.Communicator`.
 """
 
-from lightning_commstrats.advisor.command import (
-    main,
-    measure_bandwidth,
-    model_from_config,
-    model_from_json,
-    optimizer_from_config,
-)
-from lightning_commstrats.advisor.fsdp import (
-    FsdpGathers,
-    FsdpTraffic,
-    FsdpUnits,
-    fsdp_gathers,
-    fsdp_traffic,
-    fsdp_transient,
-    fsdp_units,
-    units_by_size,
-)
-from lightning_commstrats.advisor.grid import advise, default_settings, departure, mib, readable, recommend, table
-from lightning_commstrats.advisor.inputs import (
-    OUT_OF_SCOPE,
-    SCHEMES,
-    SETTINGS,
-    SHARDABLE,
-    model_shape,
-    parse_size,
-    resolve_links,
-    vocabulary_of,
-)
-from lightning_commstrats.advisor.memory import Memory, memory_per_rank
-from lightning_commstrats.advisor.peak import (
-    ALLOCATOR_SLACK,
-    HOST_PROCESS_BYTES,
-    Peak,
-    activation_bytes,
-    peak_per_rank,
-    peak_phases,
-)
-from lightning_commstrats.advisor.predict import (
-    Candidate,
-    Sharded,
-    expected_distinct,
-    expected_sampled_rows,
-    predict,
-    zipf_probabilities,
-)
-from lightning_commstrats.advisor.schedule import gathered_exchange_bytes, sparse_exchange_bytes
+import importlib
+import sys
+import types
+from typing import Any
+
+from lightning_commstrats.advisor.command import main
+
+# Every public name and the module that defines it, imported on first use: the command's --help needs none
+# of them (nor torch).
+_WHERE = {
+    "measure_bandwidth": "command",
+    "model_from_config": "sources",
+    "model_from_json": "sources",
+    "module_from_name": "sources",
+    "optimizer_from_config": "sources",
+    "FsdpGathers": "fsdp",
+    "FsdpTraffic": "fsdp",
+    "FsdpUnits": "fsdp",
+    "fsdp_gathers": "fsdp",
+    "fsdp_traffic": "fsdp",
+    "fsdp_transient": "fsdp",
+    "fsdp_units": "fsdp",
+    "units_by_size": "fsdp",
+    "advise": "grid",
+    "default_settings": "grid",
+    "departure": "grid",
+    "mib": "grid",
+    "readable": "grid",
+    "recommend": "grid",
+    "table": "grid",
+    "OUT_OF_SCOPE": "inputs",
+    "SETTINGS": "inputs",
+    "SHARDABLE": "inputs",
+    "model_shape": "inputs",
+    "parse_size": "inputs",
+    "resolve_links": "inputs",
+    "vocabulary_of": "inputs",
+    "SCHEMES": "names",
+    "Memory": "memory",
+    "memory_per_rank": "memory",
+    "ALLOCATOR_SLACK": "peak",
+    "HOST_PROCESS_BYTES": "peak",
+    "Peak": "peak",
+    "activation_bytes": "peak",
+    "peak_per_rank": "peak",
+    "peak_phases": "peak",
+    "Candidate": "predict",
+    "Sharded": "predict",
+    "expected_distinct": "predict",
+    "expected_sampled_rows": "predict",
+    "predict": "predict",
+    "zipf_probabilities": "predict",
+    "gathered_exchange_bytes": "schedule",
+    "sparse_exchange_bytes": "schedule",
+    "Row": "answer",
+    "answer_line": "answer",
+    "short_table": "answer",
+    "strategy_call": "answer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+class _Package(types.ModuleType):
+    """This package, keeping its names for what :data:`_WHERE` says: importing the submodule ``predict``
+    would otherwise bind the module over the function ``advisor.predict``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "ALLOCATOR_SLACK",
@@ -102,9 +145,11 @@ __all__ = [
     "FsdpUnits",
     "Memory",
     "Peak",
+    "Row",
     "Sharded",
     "activation_bytes",
     "advise",
+    "answer_line",
     "default_settings",
     "departure",
     "expected_distinct",
@@ -121,6 +166,7 @@ __all__ = [
     "model_from_config",
     "model_from_json",
     "model_shape",
+    "module_from_name",
     "optimizer_from_config",
     "parse_size",
     "peak_per_rank",
@@ -129,7 +175,9 @@ __all__ = [
     "readable",
     "recommend",
     "resolve_links",
+    "short_table",
     "sparse_exchange_bytes",
+    "strategy_call",
     "table",
     "units_by_size",
     "vocabulary_of",

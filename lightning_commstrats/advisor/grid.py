@@ -21,25 +21,35 @@ from lightning_commstrats.advisor.inputs import (
     SCHEMES,
     STREAMING_BITS,
     STREAMING_FRAGMENTS,
+    accepts_old_names,
     check_inputs,
     check_shard,
     model_shape,
     parse_size,
     resolve_links,
 )
+from lightning_commstrats.advisor.peak import activation_bytes
 from lightning_commstrats.advisor.predict import Candidate, predict
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.strategies.fragments import fragment_bounds
 
 
+@accepts_old_names("bandwidth_bits")
 def default_settings(
-    scheme: str, model: ModelShape, *, bandwidth_bits: float, compute_seconds: float, ranks: int
+    scheme: str, model: ModelShape, *, bandwidth: float, compute_seconds: float, ranks: int
 ) -> list[dict[str, Any]]:
     """The settings tried for ``scheme`` when :func:`advise` is given its name alone.
 
     ``streaming_diloco`` gets, per period and bits, the smallest ``fragment_sync_delay`` that
-    hides the largest fragment's exchange behind compute (at most what the period allows).
+    hides the largest fragment's exchange behind compute (at most what the period allows) on a link of
+    ``bandwidth`` Mbit/s.
     """
+    return _default_settings(scheme, model, bandwidth * 1e6, compute_seconds, ranks)
+
+
+def _default_settings(
+    scheme: str, model: ModelShape, bandwidth_bits: float, compute_seconds: float, ranks: int
+) -> list[dict[str, Any]]:
     if scheme == "allreduce":
         return [{}]
     if scheme in ("onebit_sgd", "onebit_adam"):
@@ -77,15 +87,16 @@ def default_settings(
     return out
 
 
+@accepts_old_names("bandwidth_bits", "link_inside_bits", "link_between_bits", "candidates", "overhead")
 def advise(
     model_or_shapes: Any,
     *,
-    bandwidth_bits: float | None = None,
+    bandwidth: float | None = None,
     compute_seconds: float,
     ranks: int,
     vocab_size: int = 0,
     vocab_width: int = 0,
-    candidates: Iterable[str | tuple[str, Mapping[str, Any]]] | None = None,
+    schemes: Iterable[str | tuple[str, Mapping[str, Any]]] | None = None,
     tokens_per_rank: int = 0,
     sampled_rows: float | None = None,
     shard: int | None = None,
@@ -93,52 +104,82 @@ def advise(
     param_dtype: str = "float32",
     outer_state: str = "host",
     accelerator: str = "gpu",
-    link_inside_bits: float | None = None,
-    link_between_bits: float | None = None,
+    link_inside: float | None = None,
+    link_between: float | None = None,
     units: FsdpUnits | None = None,
     gather_dtype: str | None = None,
     reduce_dtype: str | None = None,
     reshard_after_forward: bool | None = None,
-    overhead: float | None = None,
+    memory_overhead: float | None = None,
     empty_init: bool = False,
     device_memory: int | str | None = None,
-    activations: int = 0,
+    activations: int | str | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
     process_bytes: int | None = None,
 ) -> list[Candidate]:
-    """Every candidate's predicted step, fastest first, with the memory each rank holds.
+    """Every candidate's predicted step, fastest first (in the sharded layout's figures with ``shard``),
+    with the memory each rank holds. The arguments are the command's flags (``--bandwidth`` is
+    ``bandwidth``, ``--schemes`` ``schemes``, in the same units).
 
     Args:
         model_or_shapes: a ``torch.nn.Module``, a :class:`~lightning_commstrats.cost_model.ModelShape`
             or the shapes of the trainable parameters (tied ones once, in registration order).
-        bandwidth_bits: the link rate between ranks, bits per second in each direction: both links
-            where ``link_inside_bits`` or ``link_between_bits`` is not given.
+        bandwidth: the link rate between ranks, Mbit/s in each direction: both links where
+            ``link_inside`` or ``link_between`` is not given.
         compute_seconds: seconds of one training step on one rank with no communication (measured,
             e.g. a one-rank run; with several ranks per machine, measured with all of them busy).
         ranks: the number of ranks.
         vocab_size, vocab_width: the vocabulary matrices' rows and values per row (for
             ``sampled_vocab``; a module's declared ``vocab_parameters()`` give them).
-        candidates: scheme names (each tried at :func:`default_settings`) and/or
-            ``(scheme, settings)`` pairs; default: every scheme but ``local_sgd`` (MPI only, the
-            bytes of ``model_averaging``), and ``sampled_vocab`` only with a vocabulary.
+        schemes: scheme names (each tried at :func:`default_settings`) and/or ``(scheme, settings)``
+            pairs; default: every scheme but ``local_sgd`` (MPI only, the bytes of ``model_averaging``),
+            and ``sampled_vocab`` only with a vocabulary.
         tokens_per_rank, sampled_rows, shard: see :func:`predict`.
         optimizer, param_dtype, outer_state, accelerator: see :func:`memory_per_rank`.
-        link_inside_bits, link_between_bits: the links inside and between groups: see :func:`predict`.
+        link_inside, link_between: the links inside and between groups, Mbit/s: see :func:`predict`.
         units, gather_dtype, reduce_dtype, reshard_after_forward: the sharded layout's FSDP2 traffic.
-        overhead, empty_init, device_memory, activations, process_bytes: the peak memory against a
-            device's: see :func:`predict`.
+        memory_overhead, empty_init, device_memory, process_bytes: the peak memory against a device's:
+            see :func:`predict`.
+        activations: the bytes (or a size, ``"3GiB"``) a rank's forward keeps for its backward. Default:
+            with a module and ``batch_size`` and ``seq_len``, measured on the meta device
+            (:func:`~lightning_commstrats.advisor.activation_bytes`, in ``gather_dtype`` when given, with a
+            GPU's fused attention on a GPU), else none counted.
+        batch_size, seq_len: a rank's micro-batch, sequences of token ids, to measure the activations.
+        activation_checkpointing: the activations measured with every block checkpointed (see
+            :func:`~lightning_commstrats.advisor.activation_bytes`).
+
+    The old names ``bandwidth_bits``, ``link_inside_bits``, ``link_between_bits`` (bits per second),
+    ``candidates`` and ``overhead`` are accepted for one more release, with a ``DeprecationWarning``.
 
     Raises:
-        ValueError: naming the argument: ``bandwidth_bits <= 0``, ``compute_seconds < 0``,
-            ``ranks < 1``, an unknown scheme in ``candidates``, a model without parameters, a
-            missing link, ``link_inside_bits`` without ``shard``, a bad ``device_memory``.
+        ValueError: naming the argument: ``bandwidth <= 0``, ``compute_seconds < 0``, ``ranks < 1``, an
+            unknown scheme in ``schemes``, a model without parameters, a missing link, ``link_inside``
+            without ``shard``, a bad ``device_memory``, activations that cannot be measured.
     """
     if shard is not None:
         check_shard(shard, ranks)
-    flat, _, _ = resolve_links(bandwidth_bits, link_inside_bits, link_between_bits, ranks, shard)
+    flat, _, _ = resolve_links(bandwidth, link_inside, link_between, ranks, shard)
     check_inputs(flat, compute_seconds, ranks)
-    if units is None and isinstance(model_or_shapes, nn.Module):
-        units = fsdp_units(model_or_shapes)
+    module = model_or_shapes if isinstance(model_or_shapes, nn.Module) else None
+    if units is None and module is not None:
+        units = fsdp_units(module)
     model = model_shape(model_or_shapes, vocab_size, vocab_width)
+    if activations is None:
+        activations = 0
+        if module is not None and batch_size is not None and seq_len is not None:
+            activations = activation_bytes(
+                module,
+                batch_size,
+                seq_len,
+                checkpointing=activation_checkpointing,
+                dtype=gather_dtype or param_dtype,
+                attention="fused" if accelerator == "gpu" else "math",
+            )
+    elif activation_checkpointing:
+        raise ValueError("activation_checkpointing: the activations were given; measure them checkpointed instead")
+    candidates = schemes
     if candidates is None:
         vocab = model.vocab_size and model.vocab_width
         adam = optimizer in ("adam", "adamw")  # onebit_adam continues the user's Adam
@@ -150,21 +191,21 @@ def advise(
             and (adam or s not in ("onebit_adam", "zero_one_adam"))
         ]
     elif isinstance(candidates, (str, bytes)):
-        raise ValueError(f"candidates must be a list of scheme names or (scheme, settings) pairs, got {candidates!r}")
+        raise ValueError(f"schemes must be a list of scheme names or (scheme, settings) pairs, got {candidates!r}")
     pairs: list[tuple[str, Mapping[str, Any]]] = []
     for item in candidates:
         name, settings = (item, None) if isinstance(item, str) else tuple(item)
         if name in OUT_OF_SCOPE:
-            raise ValueError(f"candidates: the advisor does not predict {name!r}: {OUT_OF_SCOPE[name]}")
+            raise ValueError(f"schemes: the advisor does not predict {name!r}: {OUT_OF_SCOPE[name]}")
         if name not in SCHEMES:
-            raise ValueError(f"candidates: unknown scheme {name!r}; choose from {SCHEMES}")
+            raise ValueError(f"schemes: unknown scheme {name!r}; choose from {SCHEMES}")
         if settings is None:
-            grid = default_settings(name, model, bandwidth_bits=flat, compute_seconds=compute_seconds, ranks=ranks)
+            grid = _default_settings(name, model, flat, compute_seconds, ranks)
             pairs += [(name, s) for s in grid]
         else:
             pairs.append((name, settings))
     kw = {
-        "bandwidth_bits": bandwidth_bits,
+        "bandwidth": bandwidth,
         "compute_seconds": compute_seconds,
         "ranks": ranks,
         "shard": shard,
@@ -172,13 +213,13 @@ def advise(
         "param_dtype": param_dtype,
         "outer_state": outer_state,
         "accelerator": accelerator,
-        "link_inside_bits": link_inside_bits,
-        "link_between_bits": link_between_bits,
+        "link_inside": link_inside,
+        "link_between": link_between,
         "units": units,
         "gather_dtype": gather_dtype,
         "reduce_dtype": reduce_dtype,
         "reshard_after_forward": reshard_after_forward,
-        "overhead": overhead,
+        "memory_overhead": memory_overhead,
         "empty_init": empty_init,
         "device_memory": parse_size(device_memory) if device_memory is not None else None,
         "activations": activations,
@@ -187,7 +228,19 @@ def advise(
     out = [
         predict(name, s, model, tokens_per_rank=tokens_per_rank, sampled_rows=sampled_rows, **kw) for name, s in pairs
     ]
-    return sorted(out, key=lambda c: (c.step_seconds, c.bytes_per_step, SCHEMES.index(c.scheme)))
+    return sorted(out, key=lambda c: ranking(c, sharded=shard is not None))
+
+
+def ranking(c: Candidate, sharded: bool = False) -> tuple[float, ...]:
+    """The order candidates are shown in: fastest first, fewer bytes on ties; ``sharded``: by the sharded
+    layout's figures (its step, then its bytes between the groups), a scheme that does not run sharded
+    after every one that does."""
+    if sharded:
+        s = c.sharded
+        if s is None:
+            return (1, c.step_seconds, c.bytes_per_step, SCHEMES.index(c.scheme))
+        return (0, s.step_seconds, s.between_bytes, SCHEMES.index(c.scheme))
+    return (0, c.step_seconds, c.bytes_per_step, SCHEMES.index(c.scheme))
 
 
 def departure(c: Candidate) -> tuple[int, int, int, float]:

@@ -3,28 +3,19 @@ checks every entry point applies to them."""
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
+from lightning_commstrats.advisor.names import SCHEMES
 from lightning_commstrats.cost_model import ModelShape
 from lightning_commstrats.models.base import declared_vocabulary
 
-SCHEMES = (
-    "allreduce",
-    "onebit_sgd",
-    "onebit_adam",
-    "zero_one_adam",
-    "sampled_vocab",
-    "model_averaging",
-    "bmuf",
-    "local_sgd",
-    "diloco",
-    "streaming_diloco",
-    "sparseloco",
-)
+F = TypeVar("F", bound=Callable[..., Any])
 PERIODIC = ("model_averaging", "bmuf", "local_sgd", "diloco", "streaming_diloco", "sparseloco")
 # The registered strategy names the advisor does not predict, and why.
 OUT_OF_SCOPE = {
@@ -41,11 +32,6 @@ OUT_OF_SCOPE = {
 }
 # The schemes that run on FSDP2 shards (shard="fsdp"): the strategies' `supports_shard`.
 SHARDABLE = ("allreduce", "onebit_sgd", "model_averaging", "bmuf", "diloco", "streaming_diloco", "sparseloco")
-# The inner optimizer's state per parameter: (buffers of the parameter's size and dtype, whether a
-# step counter tensor of 4 bytes is kept per parameter tensor), as torch.optim allocates them.
-INNER_OPTIMIZERS = {"adamw": (2, True), "adam": (2, True), "sgd_momentum": (1, False), "sgd": (0, False)}
-PARAM_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ACCELERATORS = ("gpu", "cpu")
 # The default grid: what a first look should cover.
 ONEBIT_BITS = (1, 2, 4, 8)
 AVERAGING_PERIODS = (4, 8, 16, 32)
@@ -154,17 +140,58 @@ def vocabulary_of(module: torch.nn.Module) -> tuple[int, int]:
     return rows, sum(p.numel() // rows for p in unique)
 
 
-def check_inputs(bandwidth_bits: float, compute_seconds: float, ranks: int) -> None:
-    if isinstance(bandwidth_bits, bool) or not isinstance(bandwidth_bits, (int, float)):
-        raise ValueError(f"bandwidth_bits must be a number of bits per second > 0, got {bandwidth_bits!r}")
-    if not (bandwidth_bits > 0 and math.isfinite(bandwidth_bits)):
-        raise ValueError(f"bandwidth_bits must be a finite number of bits per second > 0, got {bandwidth_bits!r}")
+def check_inputs(flat_bits: float, compute_seconds: float, ranks: int) -> None:
+    """The checks every entry point applies to the compute time and the ranks (``flat_bits``, the rate
+    :func:`resolve_links` resolved, is checked there)."""
+    if not (flat_bits > 0 and math.isfinite(flat_bits)):
+        raise ValueError(f"the link must be a finite rate > 0, got {flat_bits!r} bits per second")
     if isinstance(compute_seconds, bool) or not isinstance(compute_seconds, (int, float)):
         raise ValueError(f"compute_seconds must be a number of seconds >= 0, got {compute_seconds!r}")
     if not (compute_seconds >= 0 and math.isfinite(compute_seconds)):
         raise ValueError(f"compute_seconds must be a finite number of seconds >= 0, got {compute_seconds!r}")
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+
+
+# Keyword arguments renamed to the command's flags: old name -> (new name, factor from the old unit to the new).
+RENAMED = {
+    "bandwidth_bits": ("bandwidth", 1e-6),
+    "link_inside_bits": ("link_inside", 1e-6),
+    "link_between_bits": ("link_between", 1e-6),
+    "candidates": ("schemes", None),
+    "overhead": ("memory_overhead", None),
+}
+
+
+def accepts_old_names(*old: str) -> Callable[[F], F]:
+    """Let a function take its arguments' old names (:data:`RENAMED`) for one more release: each is
+    converted to the new name (and unit: the old rates were bits per second, the new ones Mbit/s, as the
+    command's flags) with a ``DeprecationWarning`` naming the new one."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for name in old:
+                if name not in kwargs:
+                    continue
+                new, factor = RENAMED[name]
+                if new in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both {name}= and its new name {new}=: give {new}= alone")
+                unit = " (Mbit/s, not bits per second)" if factor else ""
+                warnings.warn(
+                    f"{fn.__name__}({name}=...) is deprecated and will be removed in the next release:"
+                    f" use {new}={unit}, as the command's --{new.replace('_', '-')}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                value = kwargs.pop(name)
+                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+                kwargs[new] = value * factor if factor and numeric else value
+            return fn(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
 
 
 def int_setting(settings: Mapping[str, Any], name: str, default: int, allowed: Sequence[int] | None = None) -> int:
@@ -198,41 +225,40 @@ def check_shard(shard: Any, ranks: int) -> None:
 
 def _rate(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number of bits per second > 0, got {value!r}")
-    return float(value)
+        raise ValueError(f"{name} must be a finite rate > 0 Mbit/s, got {value!r}")
+    return float(value) * 1e6
 
 
 def resolve_links(
-    bandwidth_bits: float | None,
-    link_inside_bits: float | None,
-    link_between_bits: float | None,
+    bandwidth: float | None,
+    link_inside: float | None,
+    link_between: float | None,
     ranks: int,
     shard: int | None,
 ) -> tuple[float, float, float]:
-    """``(flat, inside, between)``: the rate the unsharded layout's exchange over every rank runs at, the
-    link inside a group of ``shard`` ranks and the link between groups, bits per second a rank.
+    """``(flat, inside, between)`` in bits per second a rank, from the links in Mbit/s (the command's
+    ``--bandwidth``, ``--link-inside``, ``--link-between``): the rate the unsharded layout's exchange over
+    every rank runs at, the link inside a group of ``shard`` ranks and the link between groups.
 
-    ``bandwidth_bits`` is both links where one is not given. The unsharded layout's ring crosses the
-    groups when there are several: it goes at the slower link; within one group (``shard == ranks``) at
-    the inside link; without ``shard`` (no groups known) at the link between.
+    ``bandwidth`` is both links where one is not given. The unsharded layout's ring crosses the groups
+    when there are several: it goes at the slower link; within one group (``shard == ranks``) at the
+    inside link; without ``shard`` (no groups known) at the link between.
     """
-    between = link_between_bits if link_between_bits is not None else bandwidth_bits
-    inside = link_inside_bits if link_inside_bits is not None else bandwidth_bits
+    between = link_between if link_between is not None else bandwidth
+    inside = link_inside if link_inside is not None else bandwidth
     if between is None:
-        raise ValueError("link_between_bits (or bandwidth_bits, both links) is needed: the link between ranks")
-    between = _rate("link_between_bits" if link_between_bits is not None else "bandwidth_bits", between)
-    if link_inside_bits is not None and shard is None:
+        raise ValueError("link_between (or bandwidth, both links) is needed: the link between ranks, Mbit/s")
+    between = _rate("link_between" if link_between is not None else "bandwidth", between)
+    if link_inside is not None and shard is None:
         raise ValueError(
-            "link_inside_bits needs shard (the ranks of a group, whose FSDP2 traffic runs on that link);"
-            " without groups give bandwidth_bits or link_between_bits"
+            "link_inside needs shard (the ranks of a group, whose FSDP2 traffic runs on that link);"
+            " without groups give bandwidth or link_between"
         )
     if shard is None:
         return between, between, between
     if inside is None:
-        raise ValueError(
-            f"shard={shard} prices FSDP2's in-group traffic: give link_inside_bits (or bandwidth_bits, both links)"
-        )
-    inside = _rate("link_inside_bits" if link_inside_bits is not None else "bandwidth_bits", inside)
+        raise ValueError(f"shard={shard} prices FSDP2's in-group traffic: give link_inside (or bandwidth, both links)")
+    inside = _rate("link_inside" if link_inside is not None else "bandwidth", inside)
     flat = inside if shard == ranks else min(inside, between)
     return flat, inside, between
 

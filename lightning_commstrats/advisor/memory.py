@@ -10,9 +10,6 @@ from typing import Any
 import torch
 
 from lightning_commstrats.advisor.inputs import (
-    ACCELERATORS,
-    INNER_OPTIMIZERS,
-    PARAM_DTYPES,
     PERIODIC,
     SHARDABLE,
     check_shard,
@@ -20,6 +17,7 @@ from lightning_commstrats.advisor.inputs import (
     int_setting,
     model_shape,
 )
+from lightning_commstrats.advisor.names import ACCELERATORS, INNER_OPTIMIZERS, PARAM_DTYPES
 from lightning_commstrats.advisor.schedule import schedule_of
 from lightning_commstrats.compression.aggregation import MatrixLayout
 from lightning_commstrats.compression.exchange import EXCHANGE_BITS

@@ -63,17 +63,20 @@ syncs on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_commstrats.advisor.fsdp import FsdpUnits, check_units, fsdp_gathers, local_numel
-from lightning_commstrats.advisor.inputs import INNER_OPTIMIZERS, PERIODIC, int_setting
+from lightning_commstrats.advisor.inputs import PERIODIC, int_setting
 from lightning_commstrats.advisor.memory import Memory
+from lightning_commstrats.advisor.names import INNER_OPTIMIZERS
 from lightning_commstrats.advisor.schedule import schedule_of
 from lightning_commstrats.buckets import DEFAULT_BUCKET_CAP_MB, plan_buckets
 from lightning_commstrats.compression.exchange import EXCHANGE_BITS
@@ -127,9 +130,9 @@ class Peak:
         return math.ceil(self.slack * inside) + self.process
 
 
-def check_overhead(overhead: Any) -> None:
+def check_overhead(overhead: Any, name: str = "overhead") -> None:
     if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 1 <= overhead < math.inf:
-        raise ValueError(f"overhead must be a finite number >= 1 (the allocator's factor), got {overhead!r}")
+        raise ValueError(f"{name} must be a finite number >= 1 (the allocator's factor), got {overhead!r}")
 
 
 def check_bytes(name: str, value: Any) -> None:
@@ -303,7 +306,19 @@ def _ring_scratch(bucket: int, replicas: int, accelerator: str) -> int:
     return 2 * -(-bucket // (2 * replicas))
 
 
-def activation_bytes(module: nn.Module, batch_size: int, seq_len: int, *, loss: bool = True) -> int:
+ATTENTION = ("math", "fused")
+
+
+def activation_bytes(
+    module: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    *,
+    loss: bool = True,
+    checkpointing: bool = False,
+    dtype: str | torch.dtype | None = None,
+    attention: str = "math",
+) -> int:
     """Bytes one rank's forward keeps for its backward with a batch of ``batch_size`` sequences of
     ``seq_len`` token ids: every tensor autograd saves (each storage once; parameters and buffers
     excluded) and the output (the logits, alive until the loss is taken), with ``loss`` a cross-entropy
@@ -311,37 +326,138 @@ def activation_bytes(module: nn.Module, batch_size: int, seq_len: int, *, loss: 
     no compute; ``module`` may be real or on meta). Raises ``ValueError`` when the forward cannot run on
     meta or does not take token ids.
 
-    An estimate of the forward's end: on meta ``scaled_dot_product_attention`` saves the attention
-    weights, which CPU's flash kernel does not keep (more); the forward's temporaries of the moment are
-    not counted (less): a real CPU forward of ``benchmarks/memory.py``'s residual MLP LMs on 4 x 64 tokens
-    grew the resident set by 37.8 and 92.5 MiB where this says 34.5 and 89.0."""
+    ``dtype``: the dtype the forward runs in (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``: the
+    floating parameters cast to it, so are the activations they make); default: the parameters' own.
+    ``attention``: ``"math"`` (default) counts what ``scaled_dot_product_attention``'s reference
+    implementation saves, the attention weights included (what the meta device runs); ``"fused"`` what
+    the fused kernels (flash, memory-efficient: a GPU's) keep instead: the queries, keys, values, the
+    output and the float32 log-sum-exp of each row.
+
+    ``checkpointing``: every unit of the package's default shard policy (the blocks: what
+    ``shard_policy={"activation_checkpointing": True}`` checkpoints; the outermost, where units nest)
+    keeps only its input from forward and computes the rest again in backward. Counted conservatively:
+    what is saved outside the units, every unit's input, and one unit's whole activations (the largest:
+    the one being recomputed in backward, or computed in forward, its output included), all at once. The
+    model is full checkpointing; a selective one (torchtitan's, saving some matrix products) keeps more.
+
+    An estimate of the forward's end: with ``"math"`` on meta ``scaled_dot_product_attention`` saves the
+    attention weights, which CPU's flash kernel does not keep (more); the forward's temporaries of the
+    moment are not counted (less): a real CPU forward of ``benchmarks/memory.py``'s residual MLP LMs on 4 x 64
+    tokens grew the resident set by 37.8 and 92.5 MiB where this says 34.5 and 89.0."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    meta = {n: t.to("meta") for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is not supported; choose one of {ATTENTION}")
+    cast = _torch_dtype(dtype)
+    params = {
+        n: t.to("meta", dtype=cast) if cast and t.is_floating_point() else t.to("meta")
+        for n, t in module.named_parameters()
+    }
+    meta = {**params, **{n: t.to("meta") for n, t in module.named_buffers()}}
     own = {t.untyped_storage()._cdata for t in meta.values()}
-    saved: dict[int, int] = {}
+    saved: dict[int, int] = {}  # storage -> bytes
+    where: dict[int, int] = {}  # storage -> the unit it was first saved in (-1: outside every unit)
+    inputs: dict[int, int] = {}  # the units' input storages -> bytes
+    inputs_of: dict[int, set[int]] = {}  # unit -> its input storages
     keep: list[torch.Tensor] = []  # alive until counted: a freed storage's address may come back
+    units = _checkpoint_units(module) if checkpointing else []
+    inside: list[int] = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def note(t: torch.Tensor) -> None:
         keep.append(t)
         storage = t.untyped_storage()
-        if storage._cdata not in own:
+        if storage._cdata not in own and storage._cdata not in saved:
             saved[storage._cdata] = storage.nbytes()
+            where[storage._cdata] = inside[-1] if inside else -1
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        note(t)
         return t
 
+    def enter(index: int) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+            if not inside:  # a unit's input is what checkpointing keeps of it
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata not in own:
+                        keep.append(a)
+                        inputs[a.untyped_storage()._cdata] = a.untyped_storage().nbytes()
+                        inputs_of.setdefault(index, set()).add(a.untyped_storage()._cdata)
+            inside.append(index)
+
+        return hook
+
+    def leave(*_: Any) -> None:  # a forward hook's return value would replace the output
+        inside.pop()
+
+    handles = [u.register_forward_pre_hook(enter(i)) for i, u in enumerate(units)]
+    handles += [u.register_forward_hook(leave) for u in units]
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    fused = _FusedAttentionMode() if attention == "fused" else contextlib.nullcontext()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), fused:
             out = torch.func.functional_call(module, meta, (tokens,))
+            out = getattr(out, "logits", out)  # a Hugging Face model's output
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"the forward returned {type(out).__name__}, not a tensor")
-            if out.untyped_storage()._cdata not in own:
-                saved[out.untyped_storage()._cdata] = out.untyped_storage().nbytes()
+            note(out)
             if loss:
                 flat = out.reshape(-1, out.shape[-1]).float()
                 nn.functional.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device="meta"))
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
         name = type(module).__name__
         raise ValueError(f"activations: the forward of {name} on token ids did not run: {err}") from err
-    return sum(saved.values())
+    finally:
+        for h in handles:
+            h.remove()
+    if not checkpointing:
+        return sum(saved.values())
+    outside = {k: b for k, b in saved.items() if where[k] == -1}
+    # a unit recomputed holds what it saves but its input, which is kept already (counted above)
+    per_unit = [
+        sum(b for k, b in saved.items() if where[k] == i and k not in inputs_of.get(i, ())) for i in range(len(units))
+    ]
+    return sum({**outside, **inputs}.values()) + max(per_unit, default=0)
+
+
+def _checkpoint_units(module: nn.Module) -> list[nn.Module]:
+    """The modules ``ShardPolicy(activation_checkpointing=True)`` checkpoints (every unit of the default
+    policy), the outermost where they nest: what keeps only its input."""
+    from lightning_commstrats.sharding.policy import ShardPolicy
+
+    chosen = [unit for _, unit in ShardPolicy().select(module)]
+    inner = {id(m) for u in chosen for m in u.modules() if m is not u}
+    return [u for u in chosen if id(u) not in inner]
+
+
+def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {tuple(names)}")
+    return names[dtype]
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for its backward, on meta: q, k, v, the output and the float32
+    log-sum-exp of each query row (flash and memory-efficient attention; the weights are recomputed)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # pragma: no cover: only measured, never run
+        raise NotImplementedError
+
+
+class _FusedAttentionMode(TorchFunctionMode):
+    """``scaled_dot_product_attention`` as a fused kernel keeps its tensors (:class:`_FusedAttention`)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is nn.functional.scaled_dot_product_attention:
+            return _FusedAttention.apply(*args[:3])
+        return func(*args, **(kwargs or {}))

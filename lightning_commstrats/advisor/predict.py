@@ -10,8 +10,8 @@ from typing import Any
 from lightning_commstrats import cost_model
 from lightning_commstrats.advisor.fsdp import FsdpUnits, check_units, fsdp_traffic, fsdp_units, units_by_size
 from lightning_commstrats.advisor.inputs import (
-    PARAM_DTYPES,
     SHARDABLE,
+    accepts_old_names,
     check_inputs,
     check_shard,
     checked_settings,
@@ -21,6 +21,7 @@ from lightning_commstrats.advisor.inputs import (
     resolve_links,
 )
 from lightning_commstrats.advisor.memory import Memory, _local_shape, memory_per_rank
+from lightning_commstrats.advisor.names import PARAM_DTYPES
 from lightning_commstrats.advisor.peak import Peak, check_bytes, check_overhead, peak_phases
 from lightning_commstrats.advisor.schedule import gathered_exchange_bytes, schedule_of, sparse_exchange_bytes
 from lightning_commstrats.comm import wire
@@ -43,6 +44,8 @@ class Sharded:
             (:func:`~lightning_commstrats.advisor.fsdp_traffic`).
         between_seconds, between_bytes: the scheme's exchange of this rank's shards with the same shards of
             the other groups per step (a periodic exchange spread over its period), on the link between.
+        note: what to know before picking it in this layout: its stall, when the exchange between the
+            groups is not all hidden, is this layout's (the unsharded one's is in :attr:`Candidate.note`).
     """
 
     group: int
@@ -51,6 +54,7 @@ class Sharded:
     inside_bytes: float
     between_seconds: float
     between_bytes: float
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,12 +152,13 @@ def expected_sampled_rows(vocab_size: int, alpha: int, beta: int, tokens: int) -
     return alpha + math.fsum(1.0 - miss_beta * math.exp(tokens * math.log1p(-p)) for p in probs)
 
 
+@accepts_old_names("bandwidth_bits", "link_inside_bits", "link_between_bits", "overhead")
 def predict(
     scheme: str,
     settings: Mapping[str, Any] | None,
     model: ModelShape | Any,
     *,
-    bandwidth_bits: float | None = None,
+    bandwidth: float | None = None,
     compute_seconds: float,
     ranks: int,
     tokens_per_rank: int = 0,
@@ -163,16 +168,16 @@ def predict(
     param_dtype: str = "float32",
     outer_state: str = "host",
     accelerator: str = "gpu",
-    link_inside_bits: float | None = None,
-    link_between_bits: float | None = None,
+    link_inside: float | None = None,
+    link_between: float | None = None,
     units: FsdpUnits | None = None,
     gather_dtype: str | None = None,
     reduce_dtype: str | None = None,
     reshard_after_forward: bool | None = None,
-    overhead: float | None = None,
+    memory_overhead: float | None = None,
     empty_init: bool = False,
     device_memory: int | str | None = None,
-    activations: int = 0,
+    activations: int | str = 0,
     process_bytes: int | None = None,
 ) -> Candidate:
     """The predicted step of ``scheme`` at ``settings`` (its constructor arguments; missing ones
@@ -184,11 +189,13 @@ def predict(
     step, when measured) only matter for ``sampled_vocab``; see :func:`expected_sampled_rows`.
     ``optimizer``, ``param_dtype``, ``outer_state``, ``accelerator``: see :func:`memory_per_rank`.
 
-    The links, bits per second a rank sends at (with every rank of its group sending at once: where a
-    group's ranks share one network card to the other groups, each gets its share): ``link_inside_bits``
-    inside a group, ``link_between_bits`` between groups; ``bandwidth_bits`` is both where one is not
-    given. The unsharded layout (:attr:`Candidate.step_seconds`) runs its exchange over every rank, at
-    the slower link when the ranks span several groups (see
+    The links, Mbit/s a rank sends at (the command's ``--link-inside``, ``--link-between``,
+    ``--bandwidth``; with every rank of its group sending at once: where a group's ranks share one network
+    card to the other groups, each gets its share): ``link_inside`` inside a group, ``link_between``
+    between groups; ``bandwidth`` is both where one is not given. The old names ``bandwidth_bits``,
+    ``link_inside_bits``, ``link_between_bits`` (bits per second) and ``overhead`` are accepted for one
+    more release, with a ``DeprecationWarning``. The unsharded layout (:attr:`Candidate.step_seconds`) runs
+    its exchange over every rank, at the slower link when the ranks span several groups (see
     :func:`~lightning_commstrats.advisor.inputs.resolve_links`).
 
     ``shard``: also the sharded layout, ``shard="fsdp"`` over groups of this many ranks
@@ -203,9 +210,9 @@ def predict(
     Memory peak (:attr:`Candidate.peak`, :attr:`Candidate.sharded_peak`, with their parts in
     :attr:`Candidate.peak_parts` and :attr:`Candidate.sharded_peak_parts`): the tensors held between steps
     plus the largest phase of a step on top of them (:func:`~lightning_commstrats.advisor.peak_phases`:
-    ``activations``, the bytes a rank's forward keeps for its backward, from
+    ``activations``, the bytes (or a size such as ``"3GiB"``) a rank's forward keeps for its backward, from
     :func:`~lightning_commstrats.advisor.activation_bytes`, 0 leaving them out; FSDP2's gathers in the
-    sharded layout; the optimizer's temporaries; a sync's buffers in flight), times ``overhead`` (the
+    sharded layout; the optimizer's temporaries; a sync's buffers in flight), times ``memory_overhead`` (the
     allocator's factor: default 1.0 on a CPU host, 1.10 on a GPU, measured), plus ``process_bytes`` (the
     process's own growth: default 37 MiB on a CPU host, 0 on a GPU, measured); and, unless ``empty_init``
     (the model built on the meta device, only shards materialised), at least the whole model built on every
@@ -216,13 +223,13 @@ def predict(
     Raises:
         ValueError: for an unknown scheme, a setting the scheme does not take or an unsupported
             value, a period in samples (the advisor counts steps), ``sampled_vocab`` on a model
-            without a vocabulary, a link that is missing or not a rate > 0, ``link_inside_bits``
-            without ``shard``, a bad ``device_memory``, ``overhead``, ``activations``, ``process_bytes``
+            without a vocabulary, a link that is missing or not a rate > 0, ``link_inside``
+            without ``shard``, a bad ``device_memory``, ``memory_overhead``, ``activations``, ``process_bytes``
             or dtype, or a memory option :func:`memory_per_rank` refuses.
     """
     if shard is not None:
         check_shard(shard, ranks)
-    flat, inside, between = resolve_links(bandwidth_bits, link_inside_bits, link_between_bits, ranks, shard)
+    flat, inside, between = resolve_links(bandwidth, link_inside, link_between, ranks, shard)
     check_inputs(flat, compute_seconds, ranks)
     module = model if not isinstance(model, ModelShape) and hasattr(model, "named_modules") else None
     if not isinstance(model, ModelShape):
@@ -236,8 +243,10 @@ def predict(
     )
     if not isinstance(empty_init, bool):
         raise ValueError(f"empty_init must be True or False, got {empty_init!r}")
-    if overhead is not None:
-        check_overhead(overhead)
+    if memory_overhead is not None:
+        check_overhead(memory_overhead, "memory_overhead")
+    if isinstance(activations, str):
+        activations = parse_size(activations, "activations")
     check_bytes("activations", activations)
     if process_bytes is not None:
         check_bytes("process_bytes", process_bytes)
@@ -256,7 +265,7 @@ def predict(
         "param_width": PARAM_DTYPES[param_dtype],
         "outer_state": outer_state,
         "activations": activations,
-        "overhead": overhead,
+        "overhead": memory_overhead,
         "process": process_bytes,
     }
     parts = peak_phases(scheme, settings, model.shapes, memory, **peaks)
@@ -273,7 +282,9 @@ def predict(
     across = _predict_step(
         scheme, settings, local, between, compute_seconds + inside_s, ranks // shard, tokens_per_rank, sampled_rows
     )
-    sharded = Sharded(shard, across.step_seconds, inside_s, traffic.total, across.comm_seconds, across.bytes_per_step)
+    sharded = Sharded(
+        shard, across.step_seconds, inside_s, traffic.total, across.comm_seconds, across.bytes_per_step, across.note
+    )
     sharded_memory = memory_per_rank(scheme, settings, model, shard=shard, **options)
     built = 0 if empty_init else model.numel * PARAM_DTYPES[param_dtype]
     gathers = {"units": units, "gather_bytes": gather_width, "reduce_bytes": reduce_width}
@@ -298,13 +309,13 @@ def _predict_step(
     scheme: str,
     settings: dict[str, Any],
     model: ModelShape,
-    bandwidth_bits: float,
+    bits_per_second: float,
     compute_seconds: float,
     ranks: int,
     tokens_per_rank: int,
     sampled_rows: float | None,
 ) -> Candidate:
-    n, bw = ranks, bandwidth_bits
+    n, bw = ranks, bits_per_second
     small = int_setting(settings, "small_tensor_numel", 1024)
     if small < 0:
         raise ValueError(f"settings: small_tensor_numel must be an int >= 0, got {small}")

@@ -201,3 +201,29 @@ def test_two_optimizers_one_overflowing_the_other_unscaled_by_the_scale_of_its_b
     assert scaler.skipped_steps == 1 and scaler.scale == 512.0
     # the Adam layer stepped normally in the batch where the SGD layer overflowed
     assert torch.equal(inject[2], clean[2]) and not torch.equal(inject[2], inject[1])
+
+
+def test_the_plugin_says_which_modules_it_put_in_half_and_warns_about_bf16_on_cpu(caplog):
+    import logging
+
+    from lightning_commstrats.models import LanguageModel
+    from lightning_commstrats.precision.plugin import describe_dtypes
+
+    model = LanguageModel(
+        arch="transformer", vocab_size=64, embed_dim=16, hidden_dim=16, num_layers=2, num_heads=2,
+        ffn_dim=32, max_seq_len=8, num_experts=2,
+    )  # fmt: skip
+    plugin = LayeredMixedPrecision(preset="layered", dtype="bf16")
+    with caplog.at_level(logging.INFO, logger="lightning_commstrats"):
+        plugin.convert_module(model)
+    # the layered preset: attention's and the FFNs' Linears and the experts in bf16; embeddings, norms,
+    # the router and the output layer in float32 (counted from the model here, not from the plugin)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    kept = [n for n in linears if n.endswith(("router", "output"))]
+    expected = (
+        f"bf16: Experts x2, Linear x{len(linears) - len(kept)};"
+        f" fp32: Embedding x2, LayerNorm x5, Linear x{len(kept)} (output, router)"
+    )
+    assert describe_dtypes(model, plugin.module_dtypes) == expected
+    assert expected in caplog.text
+    assert "on CPU: the half modules compute on bf16 copies" in caplog.text and "peak memory" in caplog.text
