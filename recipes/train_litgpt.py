@@ -2,8 +2,9 @@
 
     pip install -e ".[litgpt]"                 # LitGPT with the pins that keep `datasets` working
     python recipes/train_litgpt.py                         # pythia-160m, 4 ranks as 2 groups of 2
-    python recipes/train_litgpt.py --model pythia-14m --steps 8 --sync-period 4
+    python recipes/train_litgpt.py --model pythia-14m --steps 8 --sync-period 4 --bits 4   # 4-bit DiLoCo
     python recipes/train_litgpt.py --model pythia-14m --layout unsharded   # the same, every rank whole
+    python recipes/train_litgpt.py --help                  # every option with its default
 
 The LightningModule keeps LitGPT's network as ``self.model = GPT(config)``, built inside
 ``trainer.init_module(empty_init=True)``: with ``shard="fsdp"`` its parameters go to the meta device as
@@ -23,7 +24,9 @@ The data are synthetic, so the example needs neither a tokenizer nor a download:
 upwards by a step of their own through the first 1,024 token ids, each rank its own. The loss falls
 from about ln(50,304) = 10.8 as the model learns which ids occur, then the counting.
 
-What it prints, per rank: the loss at the first and last step, the kernel's peak resident memory above
+While it trains, rank 0 draws a progress bar with the loss. At the end it prints the ``[comm]`` summary
+(what crossed between the groups first, then everything sent) and the ``[memory]`` lines, then, per
+rank: the loss at the first and last step, the kernel's peak resident memory above
 the resident set before the build (``VmHWM``, via :class:`~lightning_commstrats.sharding.ProcessMemory`)
 while building and sharding, and over the training, beside the whole model's size in fp32. glibc's
 mmap threshold is fixed at 128 KiB (:func:`~lightning_commstrats.sharding.fix_mmap_threshold`), so the
@@ -39,13 +42,26 @@ from typing import Any
 
 import lightning as L
 import torch
-from litgpt import GPT, Config
-from litgpt.pretrain import initialize_weights  # imported here: its imports are not the model's memory
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 import lightning_commstrats  # noqa: F401  (registers the strategies)
+from lightning_commstrats import CommStatsMonitor
 from lightning_commstrats.sharding import ProcessMemory, fix_mmap_threshold, is_dtensor
+
+BITS = (32, 16, 8, 4, 2, 1)  # diloco's pseudo_grad_bits
+
+
+def _litgpt() -> Any:
+    """LitGPT, imported when a model is built (``--help`` works without it), and before the ``build``
+    phase begins: its imports are not the model's memory."""
+    try:
+        import litgpt
+        import litgpt.pretrain
+    except ImportError as e:
+        raise SystemExit(f"this recipe needs LitGPT: pip install -e '.[litgpt]' ({e})") from None
+    return litgpt
+
 
 COUNT_IDS = 1024  # the synthetic sequences count through these token ids
 
@@ -61,9 +77,10 @@ class LitGPTModule(L.LightningModule):
 
     def __init__(self, model_name: str = "pythia-160m", lr: float = 1e-3, block_size: int = 64) -> None:
         super().__init__()
-        self.config = Config.from_name(model_name, block_size=block_size)
+        litgpt = _litgpt()
+        self.config = litgpt.Config.from_name(model_name, block_size=block_size)
         self.lr = lr
-        self.model = GPT(self.config)
+        self.model = litgpt.GPT(self.config)
         self.losses: list[float] = []
 
     def init_weights(self) -> None:
@@ -74,13 +91,15 @@ class LitGPTModule(L.LightningModule):
         rank's shard only. ``initialize_weights`` reads its ``fabric`` argument for one thing: whether
         Lightning's ``FSDPStrategy`` will reset the parameters itself after materialising; here nothing
         else will, so it resets them now."""
-        initialize_weights(SimpleNamespace(strategy=None), self.model, self.config.n_layer, self.config.n_embd)
+        initialize = _litgpt().pretrain.initialize_weights
+        initialize(SimpleNamespace(strategy=None), self.model, self.config.n_layer, self.config.n_embd)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self.model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         self.losses.append(loss.item())
+        self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -122,6 +141,8 @@ def train(
     seq_len: int = 64,
     lr: float = 1e-3,
     seed: int = 0,
+    bits: int = 32,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Train on ``devices`` CPU ranks; what this rank saw.
 
@@ -135,6 +156,9 @@ def train(
         seq_len: tokens per sequence.
         lr: AdamW's learning rate.
         seed: the seed of the initial weights.
+        bits: ``diloco``'s ``pseudo_grad_bits`` (32: fp32; fewer: quantised with error feedback).
+        progress: draw Lightning's progress bar (rank 0), and print the ``[comm]`` and ``[memory]``
+            summaries at the end.
 
     Returns:
         ``rank``, ``losses``, ``numel`` (the whole model's parameters), ``sharded`` (every parameter a
@@ -142,6 +166,9 @@ def train(
         ``build`` / ``training`` phases' peaks) and ``digest`` (per parameter, the float64 sum and sum of
         squares of the whole tensor, gathered when sharded: equal on every rank once a sync made them equal).
     """
+    if bits not in BITS:
+        raise ValueError(f"bits={bits!r} is not one of {BITS}")
+    _litgpt()
     if layout == "unsharded":
         shard: dict[str, Any] = {}
     else:
@@ -154,14 +181,16 @@ def train(
         print(f"glibc's mmap threshold left as it is: {why}")
     torch.set_num_threads(1)
     strategy = L.pytorch.strategies.StrategyRegistry["diloco"]["strategy"](
-        # memory_phases=False: the strategy leaves the kernel's peak counter to this script's own tracker
         sync_period=sync_period,
         sync_period_unit="steps",
         outer_state="host",
-        memory_phases=False,
+        pseudo_grad_bits=bits,
         **shard,
     )
     phases = _Phases()
+    callbacks: list[L.Callback] = [phases]
+    if progress:
+        callbacks.append(CommStatsMonitor())
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -171,10 +200,10 @@ def train(
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=progress,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[phases],
+        callbacks=callbacks,
     )
     L.seed_everything(seed, verbose=False)
     tracker = phases.tracker = ProcessMemory()  # its start: the resident set before the model is built
@@ -204,19 +233,35 @@ def train(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", default="pythia-160m", help="a LitGPT configuration (pythia-14m, -70m, -160m...)")
     parser.add_argument("--layout", default="2x2", help='"unsharded", or GxS: G groups of S ranks')
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=4, help="CPU ranks (gloo)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
     parser.add_argument("--sync-period", type=int, default=2, help="diloco's inner steps between syncs")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--bits", type=int, default=32, choices=BITS, help="bits of diloco's pseudo-gradient across the groups"
+    )
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank and step")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of the initial weights")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     r = train(
-        args.model, args.layout, args.devices, args.steps, args.sync_period, args.batch_size, args.seq_len, args.lr
+        args.model,
+        args.layout,
+        args.devices,
+        args.steps,
+        args.sync_period,
+        args.batch_size,
+        args.seq_len,
+        args.lr,
+        args.seed,
+        bits=args.bits,
+        progress=True,
     )
     mib, model_bytes = 1 << 20, 4 * r["numel"]
     mem = r["memory"]
