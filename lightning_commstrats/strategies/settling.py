@@ -174,17 +174,22 @@ class VarianceSettling:
         taken_at = self._taken_at
         moved = self.drift(optimizer, params)
         self.last = moved
-        if moved is None or self.threshold is None or moved <= self.threshold:
-            return True
-        delay = self.freeze_at + self.window - self.planned <= self.max_delay
+        over = moved is not None and self.threshold is not None and moved > self.threshold
+        delay = over and self.freeze_at + self.window - self.planned <= self.max_delay
         if agree is not None and self.max_delay > 0:
+            # every rank asks, whatever its own figure: a rank whose variance settled must not skip
+            # the collective that one whose variance drifted enters (their moments can differ where a
+            # rank's optimizer state is its own), and every rank follows rank 0
             delay = bool(agree(delay))
+        if not over and not delay:
+            return True
         span = steps - (taken_at if taken_at is not None else steps)
         if delay:
             self.freeze_at += self.window
             self._take(steps, optimizer, params)
+            figure = "?" if moved is None else f"{moved:.1%}"  # rank 0's decision, this rank's figure
             rank_zero_info(
-                f"{self.scheme}: the tensors' scale of sqrt(v) drifted {moved:.1%} over the last {span} optimizer"
+                f"{self.scheme}: the tensors' scale of sqrt(v) drifted {figure} over the last {span} optimizer"
                 " steps, more than"
                 f" settling_warning={self.threshold}: the freeze moves to step {self.freeze_at}"
                 f" ({self.setting}={self.planned}, delay_freeze={self.max_delay})"

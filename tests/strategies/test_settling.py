@@ -133,3 +133,27 @@ def test_zero_one_adam_warns_at_its_first_compressed_step():
         _fit(strategy, steps=6)
     assert strategy.settling.last is not None and strategy.settling.last > 0.03
     assert math.isfinite(strategy.settling.last)
+
+
+def test_every_rank_asks_rank_0_at_the_freeze_whatever_its_own_drift():
+    # two ranks whose moments differ (a rank's optimizer state is its own): rank 0's variance settled,
+    # rank 1's drifted. Both must enter the same collective (an early return on one would leave the
+    # other waiting in it) and take rank 0's decision.
+    v0 = {"a": torch.full((4, 4), 1e-4), "b": torch.full((3,), 1e-2)}
+    calls = {0: 0, 1: 0}
+    decisions = {}
+    for rank, scale in ((0, 1.0), (1, 3.0)):
+        opt, params = _adam(v0, steps=2)
+        s = VarianceSettling(5, threshold=0.05, window=3, max_delay=6)
+        s.observe(2, opt, params)
+        for p in params:
+            opt.state[p]["exp_avg_sq"].mul_(scale)  # the step count kept: rank 0's figure is 0
+
+        def agree(flag, rank=rank):
+            calls[rank] += 1
+            decisions.setdefault("rank0", flag) if rank == 0 else None
+            return decisions["rank0"]
+
+        decisions[rank] = s.decide(5, opt, params, agree)
+    assert calls == {0: 1, 1: 1}
+    assert decisions[0] is True and decisions[1] is True  # rank 0's "no delay" holds on rank 1 too
