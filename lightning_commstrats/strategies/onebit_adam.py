@@ -465,13 +465,17 @@ class OneBitAdamStrategy(AllReduceStrategy):
         """Whether this step (after ``optimizer_steps`` completed ones) is a frozen one: the settling
         check copies ``sqrt(v)`` on its way there and, at the step the freeze is due, may move it."""
         steps, settling = self.optimizer_steps, self.settling
+        # every optimizer's tensors, whichever optimizer steps now: with several (manual optimization)
+        # the copy and the figure at the freeze fall on steps of different optimizers
+        optimizers = self.optimizers
         if steps < settling.freeze_at:
             if settling.due(steps):  # (the parameters listed on that step only)
-                settling.observe(steps, optimizer, trainable_params(optimizer))
+                settling.observe(steps, optimizers, [p for o in optimizers for p in trainable_params(o)])
             return False
         if steps == settling.freeze_at and not self.adam.frozen_at:  # the step the freeze is due
             agree = (lambda flag: self.comm.broadcast_object(flag, 0)) if self.world_size > 1 else None
-            return settling.decide(steps, optimizer, trainable_params(optimizer), agree)
+            params = [p for o in optimizers for p in trainable_params(o)]
+            return settling.decide(steps, optimizers, params, agree)
         return True
 
     @property

@@ -64,17 +64,22 @@ def check_settling_args(threshold: float | None, window: int, max_delay: int | N
         )
 
 
-def _second_moments(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> list[tuple[Tensor, float]]:
+def _second_moments(
+    optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]
+) -> list[tuple[Tensor, float]]:
     """``(v, 1 / sqrt(1 - beta2 ** step))`` for each of ``params`` that has Adam state, in order: the
-    second moment and the factor that bias-corrects its square root."""
+    second moment and the factor that bias-corrects its square root. ``optimizer``: one, or every
+    optimizer of the run (in their order), so that a figure taken at one optimizer's step and one taken
+    at another's compare the same tensors."""
     wanted = {id(p) for p in params}
     out = []
-    for group in optimizer.param_groups:
-        b2 = group["betas"][1]
-        for p in group["params"]:
-            state = optimizer.state.get(p) if id(p) in wanted else None
-            if state and "exp_avg_sq" in state:
-                out.append((state["exp_avg_sq"], 1 / math.sqrt(1 - b2 ** float(state["step"]))))
+    for opt in [optimizer] if isinstance(optimizer, Optimizer) else optimizer:
+        for group in opt.param_groups:
+            b2 = group["betas"][1]
+            for p in group["params"]:
+                state = opt.state.get(p) if id(p) in wanted else None
+                if state and "exp_avg_sq" in state:
+                    out.append((state["exp_avg_sq"], 1 / math.sqrt(1 - b2 ** float(state["step"]))))
     return out
 
 
@@ -89,7 +94,7 @@ def variance_roots(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -
     return list(roots)
 
 
-def variance_sums(optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> Tensor:
+def variance_sums(optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]) -> Tensor:
     """Per tensor of ``params`` with Adam state, the sum of its bias-corrected ``sqrt(v)`` (float32, one
     vector on the tensors' device). One tensor's ``sqrt(v)`` exists at a time: no copy of the whole
     second moment, whose size a large model cannot spare at the freeze."""
@@ -145,18 +150,18 @@ class VarianceSettling:
         return self.active and steps == self.snapshot_step() and steps < self.freeze_at
 
     @torch.no_grad()
-    def observe(self, steps: int, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> None:
+    def observe(self, steps: int, optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]) -> None:
         """At the start of a step that follows ``steps`` completed ones, before the freeze: the copy
         when it is due (the strategy may ask :meth:`due` first and skip listing ``params``)."""
         if self.due(steps):
             self._take(steps, optimizer, params)
 
-    def _take(self, steps: int, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> None:
+    def _take(self, steps: int, optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]) -> None:
         self._snapshot = variance_sums(optimizer, params)
         self._taken_at = steps
 
     @torch.no_grad()
-    def drift(self, optimizer: Optimizer, params: Sequence[torch.nn.Parameter]) -> float | None:
+    def drift(self, optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]) -> float | None:
         """The drift since the copy (``None`` without one); drops the copy."""
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is None:
@@ -167,7 +172,13 @@ class VarianceSettling:
         moved, total = torch.stack([(now - snapshot.to(now.device)).abs().sum(), now.sum()]).tolist()
         return moved / total if total > 0 else math.inf
 
-    def decide(self, steps: int, optimizer: Optimizer, params: Sequence[torch.nn.Parameter], agree: Any = None) -> bool:
+    def decide(
+        self,
+        steps: int,
+        optimizer: Optimizer | Sequence[Optimizer],
+        params: Sequence[torch.nn.Parameter],
+        agree: Any = None,
+    ) -> bool:
         """At the start of the step due to freeze (``steps == freeze_at`` completed): ``True`` to
         freeze now; ``False`` when the freeze moved ``window`` steps later (the sums copied again).
         ``agree(flag) -> flag``: rank 0's decision for every rank (``None``: a single process)."""
