@@ -150,13 +150,17 @@ class VarianceSettling:
         return self.active and steps == self.snapshot_step() and steps < self.freeze_at
 
     @torch.no_grad()
-    def observe(self, steps: int, optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]) -> None:
+    def observe(
+        self, steps: int, optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]
+    ) -> None:
         """At the start of a step that follows ``steps`` completed ones, before the freeze: the copy
         when it is due (the strategy may ask :meth:`due` first and skip listing ``params``)."""
         if self.due(steps):
             self._take(steps, optimizer, params)
 
-    def _take(self, steps: int, optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]) -> None:
+    def _take(
+        self, steps: int, optimizer: Optimizer | Sequence[Optimizer], params: Sequence[torch.nn.Parameter]
+    ) -> None:
         self._snapshot = variance_sums(optimizer, params)
         self._taken_at = steps
 
