@@ -177,6 +177,11 @@ class CommStatsMonitor(Callback):
                 summary += f"\n[memory] rank {trainer.global_rank}: held at the end of fit: {shown}"
                 if every:
                     summary += f"\n[memory] {format_ranks_peaks(every)}"
+            replicas = getattr(trainer.strategy, "replica_summary", None)
+            ft = replicas() if replicas is not None else None
+            if ft is not None:  # a fault-tolerant replica: what it went through
+                summary += f"\n{ft[0]}"
+                figures["replicas"] = ft[1]
         if self.summary_at_end:
             rank_zero_info(summary)
         if self.save_dir is not None:

@@ -299,6 +299,85 @@ class Quorum:
     healed: dict[str, Any] | None  # the shared state received from a live peer, when this replica healed
 
 
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a nested state (dicts, lists, tuples)."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+@dataclass
+class ReplicaSummary:
+    """What one replica went through in a fit, as its rank saw it: the waits for quorums and commits,
+    the heals it received, the syncs that did not count, and the replicas it saw leave and join
+    (from the size of one quorum to the next). The fault-tolerance line at the end of fit and the
+    saved statistics read it (:meth:`line`, :meth:`as_dict`)."""
+
+    quorums: int = 0
+    quorum_seconds: float = 0.0
+    longest_quorum_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    heals: int = 0
+    heal_bytes: int = 0
+    heal_seconds: float = 0.0  # the quorums that brought a heal, its transfer included
+    models_taken: int = 0  # quorums whose replicas held different models: this one took another's
+    syncs_failed: int = 0
+    replicas_left: int = 0
+    replicas_joined: int = 0
+    smallest_quorum: int | None = None
+    largest_quorum: int | None = None
+    _last_size: int | None = None
+
+    def on_quorum(self, seconds: float, size: int, healed: dict[str, Any] | None) -> None:
+        self.quorums += 1
+        self.quorum_seconds += seconds
+        self.longest_quorum_seconds = max(self.longest_quorum_seconds, seconds)
+        if healed is not None:
+            self.heals += 1
+            self.heal_bytes += _tensor_bytes(healed)
+            self.heal_seconds += seconds
+        if self._last_size is not None:
+            self.replicas_left += max(self._last_size - size, 0)
+            self.replicas_joined += max(size - self._last_size, 0)
+        self._last_size = size
+        self.smallest_quorum = size if self.smallest_quorum is None else min(self.smallest_quorum, size)
+        self.largest_quorum = size if self.largest_quorum is None else max(self.largest_quorum, size)
+
+    def on_commit(self, seconds: float, counted: bool) -> None:
+        self.commit_seconds += seconds
+        self.syncs_failed += not counted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def line(self, replica_id: str) -> str:
+        """``[ft] replica 'a': 12 quorums (waited 3.1 s, longest 2.0 s; commits 0.4 s); healed 1 time (4.2 MB
+        in 0.9 s); 0 syncs failed; replicas seen leaving 1, joining 1 (quorums of 2-3)``."""
+        sizes = (
+            ""
+            if self.smallest_quorum is None
+            else f" (quorums of {self.smallest_quorum}"
+            + (f"-{self.largest_quorum})" if self.largest_quorum != self.smallest_quorum else ")")
+        )
+        heals = (
+            f"healed {self.heals} time{'s' if self.heals != 1 else ''} ({self.heal_bytes / 1e6:.1f} MB in"
+            f" {self.heal_seconds:.1f} s)"
+            if self.heals
+            else "no heal"
+        )
+        taken = f", took another replica's model {self.models_taken}x" if self.models_taken else ""
+        return (
+            f"[ft] replica {replica_id!r}: {self.quorums} quorums (waited {self.quorum_seconds:.1f} s, longest"
+            f" {self.longest_quorum_seconds:.1f} s; commits {self.commit_seconds:.1f} s); {heals}{taken};"
+            f" {self.syncs_failed} sync{'s' if self.syncs_failed != 1 else ''} failed; replicas seen leaving"
+            f" {self.replicas_left}, joining {self.replicas_joined}{sizes}"
+        )
+
+
 class ReplicaSync:
     """One rank's torchft ``Manager`` and its process group across replicas (rank ``i`` of every replica).
 
@@ -343,6 +422,7 @@ class ReplicaSync:
         self.device = device
         self.host = host or device.type != "cuda"
         self.stats = stats
+        self.summary = ReplicaSummary()  # the replica group hands its own over, kept across joins
         self._received: dict[str, Any] | None = None
         self.closed = False
         self.run_store = RunStore.connect(config)
@@ -417,10 +497,15 @@ class ReplicaSync:
         The wait is charged to the statistics (tag ``"quorum"``): the loop's waiting when a blocking sync
         waits, background seconds in an exchange's thread."""
         began = time.perf_counter()
+        quorum = None
         try:
-            return self._quorum()
+            quorum = self._quorum()
+            return quorum
         finally:
-            self.stats.record_wait(QUORUM_TAG, time.perf_counter() - began, background=None)
+            seconds = time.perf_counter() - began
+            self.stats.record_wait(QUORUM_TAG, seconds, background=None)
+            if quorum is not None:
+                self.summary.on_quorum(seconds, quorum.comm.world_size, quorum.healed)
 
     def _quorum(self) -> Quorum:
         config = self.config
@@ -492,10 +577,14 @@ class ReplicaSync:
         if not ok:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError("exchange failed"))
         began = time.perf_counter()  # every rank of every replica votes: the slowest's lateness is waited for here
+        counted = False
         try:
-            return bool(self.manager.should_commit(timeout=timedelta(seconds=self.config.timeout)))
+            counted = bool(self.manager.should_commit(timeout=timedelta(seconds=self.config.timeout)))
+            return counted
         finally:
-            self.stats.record_wait(QUORUM_TAG, time.perf_counter() - began, background=None)
+            seconds = time.perf_counter() - began
+            self.stats.record_wait(QUORUM_TAG, seconds, background=None)
+            self.summary.on_commit(seconds, counted)
 
     def shutdown(self) -> None:
         """Leave the run (idempotent; safe from another thread: a call waiting in the Manager fails)."""

@@ -57,6 +57,7 @@ from lightning_commstrats.fault_tolerance import (
     FaultTolerance,
     Quorum,
     ReplicaMismatch,
+    ReplicaSummary,
     ReplicaSync,
     RunEnded,
     bind_host,
@@ -219,6 +220,8 @@ class ReplicaGroup:
         self._layout: tuple[int, str] | None = None  # (checksum, description): see layout()
         # the replica's ranks healed from different replicas and it has not agreed on one model since
         self._mixed = False
+        self.summary = ReplicaSummary()
+        """What this replica went through in the fit (its rank's view): the ``[ft]`` line at the end."""
 
     # ------------------------------------------------------------------ join and leave
 
@@ -273,6 +276,7 @@ class ReplicaGroup:
             raise ConnectionError(f"replica {self.config.replica_id!r} could not join the run: {failures[0]}")
         assert sync is not None
         self.sync = sync
+        sync.summary = self.summary
         if self._restored is not None:
             sync.manager.load_state_dict(self._restored)
         heartbeat = getattr(comm, "heartbeat", None)
@@ -651,7 +655,10 @@ class ReplicaGroup:
         # on the host: a pickled CUDA tensor would unpickle on its sender's device index
         offer = apply_to_collection(state, Tensor, lambda t: t.detach().cpu()) if me == canonical else None
         taken = quorum.comm.broadcast_object(offer, canonical, tag="weights")
-        return None if rows[me][2:] == rows[canonical][2:] else taken
+        if rows[me][2:] == rows[canonical][2:]:
+            return None
+        self.summary.models_taken += 1
+        return taken
 
 
 def _digest(fingerprints: Tensor) -> tuple[int, int]:

@@ -446,3 +446,22 @@ def test_a_rank_whose_process_holds_the_gil_for_seconds_does_not_take_its_replic
 def test_a_peer_timeout_below_a_few_heartbeats_is_refused():
     with pytest.raises(ValueError, match=r"fault_tolerance\.peer_timeout must be >= 2\.0 s"):
         FaultTolerance(**FT, peer_timeout=0.5)
+
+
+def test_the_replica_summary_counts_waits_heals_failures_and_the_replicas_seen_leaving_and_joining():
+    from lightning_commstrats.fault_tolerance import ReplicaSummary
+
+    s = ReplicaSummary()
+    s.on_quorum(0.5, 3, None)
+    s.on_commit(0.1, True)
+    s.on_quorum(7.0, 2, None)  # one replica gone
+    s.on_commit(0.2, False)
+    healed = {"outer": {"weights": [torch.zeros(250_000)]}, "buffers": [torch.zeros(10, dtype=torch.float64)]}
+    s.on_quorum(1.5, 3, healed)  # it came back; this replica healed (1,000,080 bytes)
+    assert (s.quorums, s.heals, s.heal_bytes, s.syncs_failed) == (3, 1, 1_000_080, 1)
+    assert (s.replicas_left, s.replicas_joined, s.smallest_quorum, s.largest_quorum) == (1, 1, 2, 3)
+    assert s.line("b") == (
+        "[ft] replica 'b': 3 quorums (waited 9.0 s, longest 7.0 s; commits 0.3 s); healed 1 time (1.0 MB in"
+        " 1.5 s); 1 sync failed; replicas seen leaving 1, joining 1 (quorums of 2-3)"
+    )
+    assert s.as_dict()["quorum_seconds"] == 9.0 and "_last_size" not in s.as_dict()

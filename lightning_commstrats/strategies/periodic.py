@@ -660,6 +660,15 @@ class PeriodicSyncStrategy(CommStrategy):
         self.release_resources()  # the run is over for this replica: leave the quorums
         super().on_train_end()
 
+    def replica_summary(self) -> tuple[str, dict[str, Any]] | None:
+        """With ``fault_tolerance``: this replica's ``[ft]`` line and its figures (waits for quorums and
+        commits, heals received, syncs that failed, replicas seen leaving and joining), as this rank saw
+        them; else None. The communication statistics' monitor prints and saves them at the end of fit."""
+        if self.replicas is None or self.fault_tolerance is None:
+            return None
+        summary = self.replicas.summary
+        return summary.line(self.fault_tolerance.replica_id), summary.as_dict()
+
     @override
     def release_resources(self) -> None:
         # also when fit stopped on an error: the Manager's heartbeats would keep the replica alive

@@ -340,6 +340,7 @@ def main() -> None:
         "comm_seconds": strategy.comm_stats.comm_seconds,
         "quorum_seconds": getattr(strategy.comm_stats.by_tag.get("quorum"), "comm_seconds", 0.0),
         "wall_seconds": strategy.comm_stats.wall_seconds,
+        "summary": strategy.replica_summary(),  # the [ft] line and its figures
     }
     rank = strategy.global_rank
     torch.save(result, out / (f"{rid}.pt" if rank == 0 else f"{rid}.rank{rank}.pt"))

@@ -83,6 +83,18 @@ def test_a_dead_rank_takes_its_replica_out_and_the_restarted_replica_heals_rank_
         b = ranks[r]["b"]
         assert b["heals"], f"rank {r} of the restarted b healed from rank {r} of a"
         assert b["global_step"] == ranks[r]["a"]["global_step"] == 128
+    for r in (0, 1):  # the [ft] line's figures against what the worker recorded of each quorum
+        for rid in "ab":
+            got = ranks[r][rid]
+            line, figures = got["summary"]
+            assert figures["quorums"] == len(got["quorums"]) and figures["heals"] == len(got["heals"]), (rid, figures)
+            sizes = got["quorums"]
+            assert (figures["smallest_quorum"], figures["largest_quorum"]) == (min(sizes), max(sizes))
+            drops = sum(max(p - q, 0) for p, q in __import__("itertools").pairwise(sizes))
+            assert figures["replicas_left"] == drops and line.startswith(f"[ft] replica {rid!r}: "), line
+        a, b = ranks[r]["a"]["summary"][1], ranks[r]["b"]["summary"][1]
+        assert a["replicas_left"] >= 1 and a["replicas_joined"] >= 1  # a saw b go and come back
+        assert b["heals"] >= 1 and b["heal_bytes"] > 0 and b["quorum_seconds"] >= b["heal_seconds"] > 0
     if shard:  # the two ranks hold different shards
         assert ranks[0]["a"]["global"] != ranks[1]["a"]["global"]
     else:  # the same model on both ranks; each rank carried about half of the exchange across replicas
