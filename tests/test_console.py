@@ -200,3 +200,19 @@ def test_the_top_level_usage_is_still_printed_it_is_short(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: ") and "{fit,validate,test,predict}" in err
+
+
+def test_the_advisors_help_answers_without_torch_or_lightning():
+    # the installed command, as a user runs it; then the same door in a fresh interpreter, asked which
+    # modules it imported
+    done = run([str(installed("commstrats-advise")), "--help"])
+    assert done.returncode == 0 and "--activation-checkpointing" in done.stdout, done.stderr[-2000:]
+    probe = (
+        "import sys; sys.argv = ['commstrats-advise', '--help']\n"
+        "import lightning_commstrats_launch as door\n"
+        "try:\n    door.advise()\nexcept SystemExit as e:\n    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'lightning', 'lightning_commstrats.strategies') if m in sys.modules)\n"
+        "print('RESULT', code, heavy, 'lightning_commstrats' in sys.modules)\n"
+    )
+    out = run([sys.executable, "-c", probe]).stdout
+    assert "RESULT 0 [] False" in out, out[-2000:]
