@@ -232,7 +232,7 @@ def format_summary(s: CommSnapshot) -> str:
         once = s.across_bytes - s.across_steady_bytes_per_step * s.steps
         once_text = f" + {once / MB:.3f} MB once at setup" if once > 0.5 else ""
         across = (
-            f"between groups {s.across_bytes / MB:.3f} MB ({s.across_steady_bytes_per_step / MB:.4f} MB/step"
+            f"between {s.across_label} {s.across_bytes / MB:.3f} MB ({s.across_steady_bytes_per_step / MB:.4f} MB/step"
             f"{once_text}); in all "
         )
     return (

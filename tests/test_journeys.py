@@ -223,3 +223,6 @@ def test_two_replicas_of_the_fault_tolerance_script_end_with_the_same_model():
     assert ends["r0"] == ends["r1"], ends
     shown = dict(re.findall(line, (DOCS / "fault_tolerance.md").read_text(), flags=re.MULTILINE))
     assert set(shown) == {"r0", "r1"} and len(set(shown.values())) == 1, shown
+    ft_line = r"^\[ft\] replica 'r[01]': \d+ quorums \(waited [\d.]+ s, longest [\d.]+ s; commits [\d.]+ s\);"
+    assert len(re.findall(ft_line, out, flags=re.MULTILINE)) == 2, out[-5000:]
+    assert re.search(ft_line, (DOCS / "fault_tolerance.md").read_text(), flags=re.MULTILINE)

@@ -16,7 +16,7 @@ import sys
 import lightning as L
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_commstrats import DiLoCoStrategy
+from lightning_commstrats import CommStatsMonitor, DiLoCoStrategy
 
 if __name__ == "__main__":
     replica_id = sys.argv[1]  # unique in the run, the same after a restart
@@ -34,6 +34,7 @@ if __name__ == "__main__":
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[CommStatsMonitor()],  # at the end: [comm], [memory] and this replica's [ft] line
     )
     model = BoringModel()
     trainer.fit(model)

@@ -138,6 +138,7 @@ class CommSnapshot:
     background_seconds: float = 0.0
     across_by_tag: dict[str, int] = field(default_factory=dict)
     grouped: bool = False
+    across_label: str = "groups"  # what ``across`` is between: "groups" (sites), or "replicas" alone
 
     @property
     def across_bytes(self) -> int:
@@ -175,7 +176,9 @@ class CommSnapshot:
     def as_dict(self) -> dict[str, float]:
         """Flat dictionary, e.g. for loggers or JSON; per-tag entries as ``"<tag>/bytes_sent"``."""
         out: dict[str, float] = {
-            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("by_tag", "across_by_tag", "grouped")
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("by_tag", "across_by_tag", "grouped", "across_label")
         }
         out["compute_seconds"] = self.compute_seconds
         out["setup_bytes"] = self.setup_bytes
@@ -392,6 +395,7 @@ class CommStats:
             background_seconds=total.background_seconds,
             across_by_tag=across,
             grouped=self.group_size is not None or bool(across),
+            across_label="groups" if self.group_size is not None else "replicas",
         )
 
     def __repr__(self) -> str:
@@ -417,4 +421,5 @@ def delta(later: CommSnapshot, earlier: CommSnapshot) -> CommSnapshot:
             for t in set(later.across_by_tag) | set(earlier.across_by_tag)
         },
         grouped=later.grouped,
+        across_label=later.across_label,
     )
