@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,11 +31,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from cluster import launcher_free_env
+from common import REPO, child_env, run_recipe, train_lm_command
 from lightning.pytorch.utilities.data import extract_batch_size
 from recorded import portable
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Milestones(pl.Callback):
@@ -149,11 +145,7 @@ def run(strategy: str, schedule: str, seed: int, args: argparse.Namespace, extra
     if strategy == "onebit_sgd":  # 1-bit after a full-precision warm start, as benchmarks/results/onebit_quality
         init = {"distributed_after": args.onebit_warm_start}
         strategy_arg = json.dumps({"class_path": "lightning_commstrats.OneBitSGDStrategy", "init_args": init})
-    cmd = [
-        sys.executable,
-        str(REPO / "recipes" / "train_lm.py"),
-        "fit",
-        "--config",
+    cmd = train_lm_command(
         args.config,
         f"--seed_everything={seed}",
         "--trainer.devices=2",
@@ -165,16 +157,10 @@ def run(strategy: str, schedule: str, seed: int, args: argparse.Namespace, extra
         f"--trainer.callbacks={json.dumps(callbacks)}",
         f"--data.batch_size={args.batch}",
         *extra,
-    ]
-    env = launcher_free_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "benchmarks"), str(REPO), env.get("PYTHONPATH")]))
+    )
+    env = child_env(REPO / "benchmarks", REPO, threads=None)
     print(f"== {label}", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    (run_dir / "log.txt").write_text(" ".join(cmd[2:]) + "\n\n" + proc.stdout + proc.stderr)
-    if proc.returncode:
-        raise SystemExit(f"{label} failed (log: {run_dir / 'log.txt'}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    wall = run_recipe(cmd, env, label, run_dir / "log.txt", header=" ".join(cmd[2:]) + "\n\n")
     return {
         "label": label,
         "strategy": strategy,

@@ -26,7 +26,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 PREFIX = "cstrat"
@@ -35,26 +36,6 @@ SUBNET = "198.18.0"
 
 class ClusterUnavailable(RuntimeError):
     """Network namespaces cannot be created here (not root, no ``ip``, or not permitted)."""
-
-
-def launcher_free_env() -> dict[str, str]:
-    """This environment without the rank variables of an enclosing launch, so a run starts its own."""
-    return {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
-
-
-def wait_all(procs: Sequence[subprocess.Popen], deadline: float) -> None:
-    """Wait for every process until ``deadline`` (a ``time.perf_counter()`` value) or until one fails,
-    then kill those still running: a failed or stuck rank never leaves the others waiting."""
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.perf_counter() > deadline or any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -264,6 +245,40 @@ class EmulatedCluster:
             check=True,
         )
         return int(out.stdout)
+
+
+@contextmanager
+def cluster_or_loopback(
+    loopback: bool,
+    hosts: int,
+    rate_mbit: float,
+    groups: int = 1,
+    uplink_mbit: float | None = None,
+    prefix: str = PREFIX,
+) -> Iterator[tuple[EmulatedCluster | None, str]]:
+    """An :class:`EmulatedCluster` for the time of the ``with`` (removed after it), or None on loopback:
+    when ``loopback`` asks for it, or when namespaces cannot be made here (said on stdout). Yields the
+    cluster and where the runs run, in words, as the results record it."""
+    if loopback:
+        yield None, "loopback (no rate limit)"
+        return
+    cluster = EmulatedCluster(hosts, rate_mbit, groups, uplink_mbit, prefix)
+    try:
+        cluster.create()
+    except ClusterUnavailable as err:
+        print(f"emulated cluster unavailable ({err}); falling back to loopback", flush=True)
+        yield None, f"loopback (no rate limit; emulated cluster unavailable: {err})"
+        return
+    where = f"emulated cluster, {rate_mbit:g} Mbit/s links"
+    if groups > 1:
+        where = (
+            f"emulated cluster: groups of {hosts // groups} at {rate_mbit:g} Mbit/s,"
+            f" uplinks at {cluster.uplink_mbit:g} Mbit/s"
+        )
+    try:
+        yield cluster, where
+    finally:
+        cluster.destroy()
 
 
 def _demo(hosts: int, rate: float, seconds: float) -> None:

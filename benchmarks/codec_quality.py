@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from pathlib import Path
 
 import torch
+from common import best_seconds, write_results
 from recorded import portable_args
 
 from lightning_commstrats.compression import ColumnCodec, E3M0Codec
@@ -141,16 +141,6 @@ def two_stage(codec, named: list[dict[str, torch.Tensor]], res1: dict, res2: dic
             total[a:b] = codec.decode(payload, b - a, width)
         out[name] = (total / world).reshape(first.shape)
     return out
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure(codec_name: str, captured: list[list[dict[str, torch.Tensor]]], repeats: int) -> dict:
@@ -266,10 +256,7 @@ def main() -> None:
     md = head + "\n\n" + tables(results, names, shapes)
     print(md)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.md").write_text(md + "\n")
-        (out / "results.json").write_text(json.dumps({"args": portable_args(args), "results": results}, indent=1))
+        write_results(args.out, md, {"args": portable_args(args), "results": results})
 
 
 if __name__ == "__main__":

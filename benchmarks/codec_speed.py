@@ -9,21 +9,11 @@ decode; ``clone()`` of the same buffer is the memory-bandwidth reference measure
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from common import best_seconds
 
 from lightning_commstrats.compression import ColumnCodec
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:

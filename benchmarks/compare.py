@@ -47,8 +47,6 @@ import importlib.util
 import itertools
 import json
 import math
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,8 +59,19 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env, wait_all  # noqa: E402
-from recorded import portable  # noqa: E402
+from cluster import EmulatedCluster  # noqa: E402
+from cluster import cluster_or_loopback as cluster_here  # noqa: E402
+from common import (  # noqa: E402
+    child_env,
+    free_port,
+    log_tail,
+    node_env,
+    popen_on,
+    run_ranks,
+    train_lm_command,
+    wait_for_line,
+    write_results,
+)
 
 # ---------------------------------------------------------------- the standard setting's constants
 # Measured once, not in the run they are used in (benchmarks/results/standard/calibration.md):
@@ -506,12 +515,6 @@ def select(every: list[Entry], only: list[str] | None) -> list[Entry]:
     return [e for e in every if e.key in only or e.label in only]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
     """What makes rows comparable: a table only uses rows measured under the same settings."""
     return {
@@ -536,18 +539,14 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
 
     def probe(out: Path) -> str:
         init = {
-            "out": portable(out),
+            "out": str(out),  # where this run's probe writes and the runner reads (not the recorded form)
             "samples_per_step": args.batch_size * (1 if alone else n),
             "target_ppl": None if getattr(args, "equal_steps", None) else args.target_ppl,
             "budget_seconds": None if getattr(args, "equal_steps", None) else args.budget_seconds,
         }
         return f"--trainer.callbacks={json.dumps([{'class_path': 'probe.BenchProbe', 'init_args': init}])}"
 
-    base = [
-        sys.executable,
-        str(REPO / "recipes" / "train_lm.py"),
-        "fit",
-        "--config",
+    base = train_lm_command(
         args.config,
         f"--seed_everything={seed}",
         f"--trainer.max_steps={args.max_steps}",
@@ -561,57 +560,45 @@ def launch(entry: Entry, args: argparse.Namespace, seed: int, cluster: EmulatedC
         f"--data.batch_size={args.batch_size}",
         "--trainer.num_sanity_val_steps=0",
         *args.recipe_args,
-    ]
+    )
     strategy = entry.strategy if isinstance(entry.strategy, str) else json.dumps(entry.strategy)
-    env = launcher_free_env()
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]), PYTHONUNBUFFERED="1")
+    env = child_env(HERE, REPO)
+    port = free_port()
     lighthouse = TorchFTLighthouse(n, cluster, run_dir, env) if entry.torchft else None
-    logs = [open(run_dir / f"log{i}.txt", "w") for i in range(n)]
+
+    def start_rank(i: int, log: Any) -> subprocess.Popen:
+        if alone:  # N independent one-rank jobs, each with its own probe folder
+            cmd = [*base, probe(run_dir / f"alone{i}"), "--trainer.devices=1", "--trainer.strategy=auto"]
+            rank_env = dict(env)
+        else:
+            cmd = [
+                *base,
+                probe(run_dir),
+                "--trainer.devices=1",
+                f"--trainer.num_nodes={n}",
+                f"--trainer.strategy={strategy}",
+            ]
+            rank_env = node_env(env, i, n, cluster.address(0) if cluster else "127.0.0.1", port)
+        if lighthouse is not None:
+            address = cluster.address(i) if cluster else "127.0.0.1"
+            rank_env.update(TORCHFT_LIGHTHOUSE=lighthouse.address, BENCH_HOST_ADDRESS=address)
+            if cluster:  # torchft advertises socket.gethostname(): make it the rank's address
+                cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', address, *cmd]
+        if cluster:
+            rank_env["GLOO_SOCKET_IFNAME"] = "eth0"
+        else:
+            rank_env["BENCH_IFACE"] = "lo"
+        return popen_on(cluster, i, cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT)
+
+    timeout = args.timeout or (3 * args.budget_seconds + 300 if args.budget_seconds else 3600)
     start = time.perf_counter()
-    procs = []
     try:
-        port = _free_port()
-        for i in range(n):
-            if alone:  # N independent one-rank jobs, each with its own probe folder
-                cmd = [*base, probe(run_dir / f"alone{i}"), "--trainer.devices=1", "--trainer.strategy=auto"]
-                rank_env = dict(env)
-            else:
-                cmd = [
-                    *base,
-                    probe(run_dir),
-                    "--trainer.devices=1",
-                    f"--trainer.num_nodes={n}",
-                    f"--trainer.strategy={strategy}",
-                ]
-                rank_env = {
-                    **env,
-                    "MASTER_ADDR": cluster.address(0) if cluster else "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "WORLD_SIZE": str(n),
-                    "NODE_RANK": str(i),
-                    "LOCAL_RANK": "0",
-                }
-            if lighthouse is not None:
-                address = cluster.address(i) if cluster else "127.0.0.1"
-                rank_env.update(TORCHFT_LIGHTHOUSE=lighthouse.address, BENCH_HOST_ADDRESS=address)
-                if cluster:  # torchft advertises socket.gethostname(): make it the rank's address
-                    cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', address, *cmd]
-            if cluster:
-                rank_env["GLOO_SOCKET_IFNAME"] = "eth0"
-                procs.append(cluster.popen(i, cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
-            else:
-                rank_env["BENCH_IFACE"] = "lo"
-                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
-        timeout = args.timeout or (3 * args.budget_seconds + 300 if args.budget_seconds else 3600)
-        wait_all(procs, start + timeout)
+        procs = run_ranks(start_rank, n, run_dir, timeout)
     finally:
-        wait_all(procs, 0.0)  # kills what an error left running
-        for f in logs:
-            f.close()
         if lighthouse is not None:
             lighthouse.stop()
     if any(p.returncode != 0 for p in procs):
-        tail = (run_dir / "log0.txt").read_text()[-3000:]
+        tail = log_tail(run_dir, 0)
         raise RuntimeError(f"{entry.label} (seed {seed}) failed or timed out (logs in {run_dir}):\n{tail}")
     return time.perf_counter() - start
 
@@ -628,13 +615,12 @@ class TorchFTLighthouse:
         path = run_dir / "lighthouse.txt"
         self.log = open(path, "w")
         kwargs: dict[str, Any] = {"env": env, "stdout": self.log, "stderr": subprocess.STDOUT}
-        self.proc = cluster.popen(host, cmd, **kwargs) if cluster else subprocess.Popen(cmd, **kwargs)
-        deadline = time.monotonic() + 120
-        while "listening at" not in (text := path.read_text()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"torchft's Lighthouse did not start:\n{text[-3000:]}")
-            time.sleep(0.1)
+        self.proc = popen_on(cluster, host, cmd, **kwargs)
+        try:
+            text = wait_for_line(path, "listening at", self.proc, 120, "torchft's Lighthouse")
+        except RuntimeError:
+            self.stop()
+            raise
         port = text.split("listening at", 1)[1].split()[0].rsplit(":", 1)[1]
         self.address = f"http://{cluster.address(host) if cluster else '127.0.0.1'}:{port}"
 
@@ -1085,44 +1071,14 @@ def scaling(args: argparse.Namespace) -> None:
     print(text)
 
 
-class cluster_or_loopback:
-    """The emulated cluster for ``args.ranks`` hosts at ``rate``, or loopback (and why)."""
-
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        rate: float,
-        groups: int = 1,
-        uplink_mbit: float | None = None,
-        spare_hosts: int = 0,
-    ) -> None:
-        self.args = args
-        self.rate = rate
-        self.groups = groups
-        self.uplink_mbit = uplink_mbit
-        self.spare_hosts = spare_hosts  # hosts past the ranks' (torchft's Lighthouse), one group only
-        self.cluster: EmulatedCluster | None = None
-
-    def __enter__(self) -> tuple[EmulatedCluster | None, str]:
-        if getattr(self.args, "loopback", False):
-            return None, "loopback (no rate limit)"
-        try:
-            spare = self.spare_hosts if self.groups == 1 else 0
-            self.cluster = EmulatedCluster(self.args.ranks + spare, self.rate, self.groups, self.uplink_mbit)
-            self.cluster.create()
-            if self.groups > 1:
-                return self.cluster, (
-                    f"emulated cluster: groups of {self.args.ranks // self.groups} at {self.rate:g} Mbit/s,"
-                    f" uplinks at {self.uplink_mbit:g} Mbit/s"
-                )
-            return self.cluster, f"emulated cluster, {self.rate:g} Mbit/s links"
-        except ClusterUnavailable as err:
-            print(f"emulated cluster unavailable ({err}); falling back to loopback", flush=True)
-            return None, f"loopback (no rate limit; emulated cluster unavailable: {err})"
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cluster is not None:
-            self.cluster.destroy()
+def cluster_or_loopback(
+    args: argparse.Namespace, rate: float, groups: int = 1, uplink_mbit: float | None = None, spare_hosts: int = 0
+) -> Any:
+    """The emulated cluster for ``args.ranks`` hosts at ``rate``, or loopback (and why): a context manager
+    (``cluster.cluster_or_loopback``). ``spare_hosts``: hosts past the ranks' (torchft's Lighthouse), one
+    group only."""
+    hosts = args.ranks + (spare_hosts if groups == 1 else 0)
+    return cluster_here(getattr(args, "loopback", False), hosts, rate, groups, uplink_mbit)
 
 
 class saved_where:
@@ -1189,10 +1145,7 @@ def race(args: argparse.Namespace, todo: list[Entry], every: list[Entry], rate: 
                     rows.append(row)
     add_utilisation(rows)  # into results.json's rows as well
     text = table(rows, args, where, rate_used)
-    (out / "results.json").write_text(
-        json.dumps({"where": where, "rate_mbit": rate_used, "settings": run_settings, "rows": rows}, indent=1)
-    )
-    (out / "results.md").write_text(text + "\n")
+    write_results(out, text, {"where": where, "rate_mbit": rate_used, "settings": run_settings, "rows": rows})
     plots(rows, out, args, where)
     print(text, flush=True)
     return where

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port
 
 from lightning_commstrats.comm.torch_dist import TorchCommunicator
 from lightning_commstrats.compression import TensorExchange
@@ -54,17 +54,11 @@ def _worker(rank: int, ranks: int, port: int, bits: int, repeats: int, queue: mp
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(ranks: int, bits: int, repeats: int) -> dict[int, list[tuple[float, float, int]]]:
     """Per rank, ``(seconds in collectives, wall seconds, collectives)`` of each measured exchange."""
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_worker, args=(r, ranks, port, bits, repeats, queue)) for r in range(ranks)]
     for p in procs:
         p.start()

@@ -56,19 +56,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    REPO,
+    failed_ranks,
+    finish_rank,
+    local_rank,
+    localhost_env,
+    quiet_trainer,
+    rank_tails,
+    read_rank_results,
+    run_ranks,
+    transformer_args,
+    write_results,
+    zipf_batches,
+)
+
 VOCAB, SEQ_LEN, BATCH = 8192, 64, 2
 WORLD = 4
 STEPS, SYNC_PERIOD = 3, 2
-REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 LADDER = list(range(4, 33))  # rung j: d_model 32j, j // 2 blocks, j heads
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -94,19 +108,7 @@ def rung_params(k: int) -> int:
 
 def model_args(k: int) -> dict[str, Any]:
     dims = rung_dims(k)
-    return {
-        "arch": "transformer",
-        "vocab_size": VOCAB,
-        "hidden_dim": dims["d_model"],
-        "num_layers": dims["num_layers"],
-        "num_heads": dims["num_heads"],
-        "ffn_dim": dims["ffn_dim"],
-        "max_seq_len": SEQ_LEN,
-        "dropout": 0.0,
-        "tie_weights": True,
-        "optimizer": "adamw",
-        "lr": 1e-3,
-    }
+    return transformer_args(VOCAB, SEQ_LEN, dims["d_model"], dims["num_layers"], dims["num_heads"])
 
 
 # ---------------------------------------------------------------- one rank
@@ -142,11 +144,7 @@ def rank_main(spec_json: str, out: str) -> None:
     import lightning_commstrats  # noqa: F401  (registers the strategies)
     from lightning_commstrats.models import LanguageModel
 
-    g = torch.Generator().manual_seed(rank)
-    probs = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64)
-    tokens = torch.multinomial(probs / probs.sum(), STEPS * BATCH * (SEQ_LEN + 1), replacement=True, generator=g)
-    tokens = tokens.view(STEPS, BATCH, SEQ_LEN + 1)
-    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    batches = zipf_batches(rank, STEPS, BATCH, SEQ_LEN, VOCAB)
 
     class Measure(L.Callback):
         def __init__(self, tracker: ProcessMemory) -> None:
@@ -167,18 +165,8 @@ def rank_main(spec_json: str, out: str) -> None:
     kwargs = {"sync_period": SYNC_PERIOD, "sync_period_unit": "steps", "outer_state": "host", **spec["kwargs"]}
     kwargs["memory_phases"] = False  # the kernel's peak counter is this script's tracker's alone
     strategy = L.pytorch.strategies.StrategyRegistry["diloco"]["strategy"](**kwargs)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=STEPS,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+    trainer = quiet_trainer(
+        validate=False, devices=WORLD, strategy=strategy, max_steps=STEPS, use_distributed_sampler=False
     )
     L.seed_everything(0, verbose=False)
     cgroup_start = _cgroup_usage(cgroup, "memory.usage_in_bytes")
@@ -202,10 +190,7 @@ def rank_main(spec_json: str, out: str) -> None:
         "cgroup_peak": _cgroup_usage(cgroup, "memory.max_usage_in_bytes"),
         "seconds": seconds,
     }
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_rank(out, rank, result)
 
 
 # ---------------------------------------------------------------- the cgroups and the launcher
@@ -279,75 +264,38 @@ def check_cgroups(budget: int) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trial(k: int, layout: str, budget: int, cgroups: bool, fix_threshold: bool, timeout: float) -> dict[str, Any]:
     """Train rung ``k`` in ``layout`` on 4 ranks under the budget: ``{"fits": bool, ...}``."""
     out = Path(tempfile.mkdtemp(prefix="commstrats-fit-limit-"))
     spec = {"rung": k, "kwargs": LAYOUTS[layout], "fix_mmap_threshold": fix_threshold}
-    env = {k_: v for k_, v in os.environ.items() if k_ not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(WORLD),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    )
+    env = localhost_env(WORLD, REPO)
     limits = Limits(budget, WORLD) if cgroups else None
     args = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps(spec), str(out)]
-    logs = [open(out / f"log{r}.txt", "w+") for r in range(WORLD)]
-    procs: list[subprocess.Popen] = []
+
+    def start(r: int, log: Any) -> Any:
+        if limits is None:
+            return local_rank(args, env, r, log)
+        target = limits.ranks[r] / "cgroup.procs"
+
+        def enter() -> None:  # in the child, before it executes anything
+            target.write_text(str(os.getpid()))
+
+        return local_rank(args, {**env, "FIT_LIMIT_CGROUP": str(limits.ranks[r])}, r, log, preexec_fn=enter)
+
     began = time.perf_counter()
     try:
         if limits is not None:
             limits.make()
-        for r in range(WORLD):
-            procs_env = {**env, "LOCAL_RANK": str(r)}
-            enter = None
-            if limits is not None:
-                procs_env["FIT_LIMIT_CGROUP"] = str(limits.ranks[r])
-                target = limits.ranks[r] / "cgroup.procs"
-
-                def enter(target: Path = target) -> None:  # in the child, before it executes anything
-                    target.write_text(str(os.getpid()))
-
-            procs.append(
-                subprocess.Popen(
-                    args,
-                    env=procs_env,
-                    stdout=logs[r],
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=enter,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                time.sleep(1.0)
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        _stop(procs)
+        procs = run_ranks(start, WORLD, out, timeout, grace=1.0)
         seconds = time.perf_counter() - began
         killed = [r for r in range(WORLD) if limits is not None and limits.oom_kills(r) > 0]
         cgroup_peaks = [limits.peak(r) for r in range(WORLD)] if limits is not None else None
         if killed:
             return {"fits": False, "killed": killed, "cgroup_peaks": cgroup_peaks, "seconds": seconds}
-        if any(p.returncode != 0 for p in procs):
-            tails = []
-            for r, f in enumerate(logs):
-                f.seek(0)
-                tails.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{f.read()[-4000:]}")
-            raise RuntimeError(f"rung {k}, {layout}: ranks failed, not by the memory limit:\n" + "\n".join(tails))
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        if failed_ranks(procs):
+            tails = rank_tails(procs, out, 4000)
+            raise RuntimeError(f"rung {k}, {layout}: ranks failed, not by the memory limit:\n" + tails)
+        ranks = read_rank_results(out, WORLD)
         hwm = [r["rss"]["peak"] for r in ranks]
         result = {
             "fits": limits is not None or max(hwm) <= budget,
@@ -360,24 +308,9 @@ def trial(k: int, layout: str, budget: int, cgroups: bool, fix_threshold: bool, 
             result["over"] = [r for r, v in enumerate(hwm) if v > budget]
         return result
     finally:
-        _stop(procs)
-        for f in logs:
-            f.close()
         if limits is not None:
             limits.remove()
-        for f in out.iterdir():
-            f.unlink()
-        out.rmdir()
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
+        shutil.rmtree(out, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the search
@@ -501,33 +434,27 @@ def main() -> None:
     print(text)
     print(f"{seconds:.0f}s in all")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text(
+        head = (
             f"Budget {args.budget_mib} MiB per rank ({how}); glibc mmap threshold"
             f" {'dynamic (defaults)' if args.glibc_defaults else 'fixed at 128 KiB'}; {WORLD} ranks;"
             f" search {seconds:.0f}s."
-            f"\n\n{text}\n"
         )
-        (args.out / "results.json").write_text(
-            json.dumps(
+        data = {
+            "budget_mib": args.budget_mib,
+            "cgroups": cgroups,
+            "glibc_defaults": args.glibc_defaults,
+            "seconds": seconds,
+            "layouts": [
                 {
-                    "budget_mib": args.budget_mib,
-                    "cgroups": cgroups,
-                    "glibc_defaults": args.glibc_defaults,
-                    "seconds": seconds,
-                    "layouts": [
-                        {
-                            "layout": f["layout"],
-                            "largest": f["largest"],
-                            "smallest_over": f["smallest_over"],
-                            "tried": {str(k): {kk: vv for kk, vv in v.items()} for k, v in f["tried"].items()},
-                        }
-                        for f in found
-                    ],
-                },
-                indent=1,
-            )
-        )
+                    "layout": f["layout"],
+                    "largest": f["largest"],
+                    "smallest_over": f["smallest_over"],
+                    "tried": {str(k): {kk: vv for kk, vv in v.items()} for k, v in f["tried"].items()},
+                }
+                for f in found
+            ],
+        }
+        write_results(args.out, f"{head}\n\n{text}", data)
 
 
 if __name__ == "__main__":

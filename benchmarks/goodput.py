@@ -43,7 +43,6 @@ import json
 import math
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -59,7 +58,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env  # noqa: E402
+from cluster import EmulatedCluster, cluster_or_loopback  # noqa: E402
+from common import child_env, free_port, popen_on, quiet_trainer, stop, wait_for_line, write_results  # noqa: E402
 from recorded import portable, portable_args  # noqa: E402
 
 # ---------------------------------------------------------------- the setting
@@ -240,19 +240,13 @@ def replica_package(spec: dict[str, Any], log: Events) -> None:
             if spec["step_sleep"]:
                 time.sleep(spec["step_sleep"])
 
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        validate=False,
         devices=spec.get("ranks", 1),
         strategy=strategy,
         max_steps=spec["rounds"] * h,
         max_epochs=-1,
         gradient_clip_val=spec["clip"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[Recorder()],
         default_root_dir=str(Path(spec["run_dir"]) / f"lightning.{spec['rid']}.{spec['incarnation']}"),
     )
@@ -470,12 +464,6 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def recipe(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], float]:
     """The model and data arguments of the recipe's config, with compare.py's inner optimizer and batch size."""
     import yaml
@@ -496,13 +484,8 @@ class Controller:
         self.args = args
         self.cluster = cluster
         self.settings = settings
-        self.env = launcher_free_env()
-        self.env.update(
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]),
-            PYTHONUNBUFFERED="1",
-            GLOO_SOCKET_IFNAME="eth0" if cluster else "lo",
-        )
+        self.env = child_env(HERE, REPO)
+        self.env["GLOO_SOCKET_IFNAME"] = "eth0" if cluster else "lo"
         self.port = 29510
 
     def address(self, host: int) -> str:
@@ -515,14 +498,12 @@ class Controller:
             # namespace whose host name *is* the replica's address makes torchft's default work.
             cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', uts_hostname, *cmd]
         kwargs = {"env": self.env, "stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
-        if self.cluster:
-            return self.cluster.popen(host, cmd, **kwargs)
-        return subprocess.Popen(cmd, **kwargs)
+        return popen_on(self.cluster, host, cmd, **kwargs)
 
     def _start_lighthouse(self, plan: RunPlan) -> tuple[subprocess.Popen, Any, str]:
         a, n = self.args, self.args.replicas
         self.port += 2  # the package's Lighthouse serves its run store at the next port
-        port = self.port if self.cluster else _free_port()
+        port = self.port if self.cluster else free_port()
         common = [
             "--min-replicas",
             str(a.min_replicas),
@@ -546,11 +527,7 @@ class Controller:
             cmd = [sys.executable, str(Path(__file__).resolve()), "_lighthouse", "--bind", f"[::]:{port}", *common]
         log = open(plan.run_dir / "lighthouse.log", "w")
         proc = self._popen(n, cmd, log)
-        deadline = time.monotonic() + 60
-        while "listening at" not in (plan.run_dir / "lighthouse.log").read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Lighthouse did not start:\n{(plan.run_dir / 'lighthouse.log').read_text()}")
-            time.sleep(0.1)
+        wait_for_line(plan.run_dir / "lighthouse.log", "listening at", proc, 60, "the Lighthouse")
         return proc, log, f"http://{self.address(n)}:{port}"
 
     def _spec(self, plan: RunPlan, replica: Replica, lighthouse: str) -> dict[str, Any]:
@@ -578,12 +555,7 @@ class Controller:
 
     @staticmethod
     def _kill(proc: subprocess.Popen | None) -> None:
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        stop([proc] if proc is not None else [])
 
     def run(self, plan: RunPlan) -> dict[str, Any]:
         a = self.args
@@ -1005,30 +977,6 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any], where: str) -> s
 # ================================================================ main
 
 
-class cluster_or_loopback:
-    """The emulated cluster (replicas + one host for the Lighthouse) at ``rate``, or loopback (and why)."""
-
-    def __init__(self, args: argparse.Namespace, rate: float) -> None:
-        self.args = args
-        self.rate = rate
-        self.cluster: EmulatedCluster | None = None
-
-    def __enter__(self) -> tuple[EmulatedCluster | None, str]:
-        if self.args.loopback:
-            return None, "loopback (no rate limit)"
-        try:
-            self.cluster = EmulatedCluster(self.args.replicas + 1, self.rate, prefix=CLUSTER_PREFIX)
-            self.cluster.create()
-            return self.cluster, f"emulated cluster, {self.rate:g} Mbit/s links"
-        except ClusterUnavailable as err:
-            print(f"emulated cluster unavailable ({err}); falling back to loopback", flush=True)
-            return None, f"loopback (no rate limit; emulated cluster unavailable: {err})"
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cluster is not None:
-            self.cluster.destroy()
-
-
 def make_settings(args: argparse.Namespace, rate: float | None) -> dict[str, Any]:
     """Everything a replica needs, and what makes the rows of a table comparable."""
     from lightning_commstrats.data import LMDataModule
@@ -1073,7 +1021,8 @@ def make_settings(args: argparse.Namespace, rate: float | None) -> dict[str, Any
 
 
 def run_rate(args: argparse.Namespace, rate: float, out: Path, logs: Path) -> str:
-    with cluster_or_loopback(args, rate) as (cluster, where):
+    # the replicas' hosts and one for the Lighthouse
+    with cluster_or_loopback(args.loopback, args.replicas + 1, rate, prefix=CLUSTER_PREFIX) as (cluster, where):
         loopback = cluster is None
         settings = make_settings(args, None if loopback else rate)
         controller = Controller(args, cluster, settings)
@@ -1100,22 +1049,15 @@ def run_rate(args: argparse.Namespace, rate: float, out: Path, logs: Path) -> st
                         + (f"; FAILURE: {row['failure']}" if row["failure"] else ""),
                         flush=True,
                     )
-    out.mkdir(parents=True, exist_ok=True)
     text = table(rows, settings, where)
-    (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(
-        json.dumps(
-            {
-                "where": where,
-                "rate_mbit": None if loopback else rate,
-                "settings": settings,
-                "args": portable_args(args),
-                "rows": rows,
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    data = {
+        "where": where,
+        "rate_mbit": None if loopback else rate,
+        "settings": settings,
+        "args": portable_args(args),
+        "rows": rows,
+    }
+    write_results(out, text, data, default=str)
     print(text, flush=True)
     return where
 

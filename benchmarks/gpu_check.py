@@ -28,6 +28,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from common import quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -115,17 +116,7 @@ def run(scheme: str, shard: str | None, outer_state: str | None, args: argparse.
     torch.manual_seed(0)
     model = CheckNet(args.vocab, args.dim, args.blocks)
     peaks = Peaks()
-    trainer = L.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[peaks],
-    )
+    trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=3, callbacks=[peaks])
     start = time.perf_counter()
     trainer.fit(model, DataLoader(Tokens(args.vocab, 3), batch_size=None))
     finite = all(torch.isfinite(torch.tensor(model.losses)).tolist())
@@ -156,17 +147,8 @@ def run_build(empty: bool, layered: bool, args: argparse.Namespace) -> dict[str,
     strategy = lightning_commstrats.DiLoCoStrategy(**PERIODIC, shard="fsdp", group_size=1)
     plugins = [lightning_commstrats.LayeredMixedPrecision("layered", dtype="bf16", device="cuda")] if layered else []
     peaks = BuildPeaks()
-    trainer = L.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        plugins=plugins,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[peaks],
+    trainer = quiet_trainer(
+        accelerator="cuda", devices=1, strategy=strategy, plugins=plugins, max_steps=3, callbacks=[peaks]
     )
     torch.manual_seed(0)
     torch.cuda.synchronize()

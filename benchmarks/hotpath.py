@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import localhost_env, prepend_pythonpath, quiet_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -259,7 +259,6 @@ def measure_rank(
     """Train ``steps`` optimizer steps of ``scheme`` (with ``strategy_kwargs`` added to its
     arguments) on this rank, launched as torchrun does, on an LSTM LM of ``vocab`` words and size
     ``dim``; rank 0 returns its per-step counts after ``warmup`` steps, the other ranks None."""
-    import lightning as L
     from torch.utils.data import DataLoader
 
     import lightning_commstrats
@@ -306,18 +305,7 @@ def measure_rank(
             return aggregate(self, *args, **kw)
 
     QuantizedAllReduce.__call__ = aggregate_counted  # type: ignore[method-assign]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(validate=False, devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=steps)
     with counting_transfers():
         trainer.fit(model, train_dataloaders=loader)
     if trainer.global_rank != 0:
@@ -333,19 +321,10 @@ def measure_rank(
 # ---------------------------------------------------------------- the table
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scheme: str, args: argparse.Namespace, pythonpath: str | None) -> dict[str, Any]:
     """Rank 0's counts of ``scheme`` on two ranks, the package imported from ``pythonpath`` first."""
     with tempfile.TemporaryDirectory() as out:
-        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        if pythonpath:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+        env = localhost_env(2, pythonpath)
         spec = json.dumps({"scheme": scheme, "steps": args.steps, "warmup": args.warmup, "min_kib": args.min_kib})
         procs = [
             subprocess.Popen(
@@ -402,9 +381,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 def simulate_in(pythonpath: str | None, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """:func:`simulate_aggregation` for every width and ``args.ranks``, the package from ``pythonpath``."""
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    env = prepend_pythonpath(dict(os.environ), pythonpath)
     with tempfile.TemporaryDirectory() as out:
         spec = json.dumps({"ranks": args.ranks, "min_kib": args.min_kib})
         path = Path(out) / "simulated.json"

@@ -37,6 +37,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
+from common import quiet_trainer
 from train_litgpt import LitGPTModule
 from variance_settling import VarianceSettling
 
@@ -85,8 +86,7 @@ def main() -> None:
     module.init_weights()  # LitGPT's pretraining initialisation (every rank alike: the same seed)
     strategy = L.pytorch.strategies.StrategyRegistry[args.scheme]["strategy"](**json.loads(args.kwargs))
     counter = Bytes(args.freeze)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         strategy=strategy,
         max_steps=args.steps,
@@ -95,10 +95,6 @@ def main() -> None:
         val_check_interval=args.steps,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[counter, *([VarianceSettling()] if args.settling else [])],
     )
     with warnings.catch_warnings(record=True) as caught:

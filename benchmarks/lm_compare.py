@@ -18,23 +18,19 @@ import argparse
 import csv
 import json
 import math
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from cluster import launcher_free_env
+from common import REPO, launcher_free_env, run_recipe, strategy_json, train_lm_command, write_results
 from lightning.pytorch.strategies import StrategyRegistry
 from recorded import portable
 
 import lightning_commstrats  # noqa: F401 - registers the names
 from lightning_commstrats.comm import wire
 from lightning_commstrats.models import LanguageModel
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
@@ -52,21 +48,14 @@ def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def strategy_arg(name: str, kwargs: dict[str, Any]) -> str:
-    if not kwargs:
-        return name
-    cls = StrategyRegistry[name]["strategy"]
-    return json.dumps({"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": kwargs})
+    return strategy_json(name, kwargs) if kwargs else name
 
 
 def run(label: str, name: str, kwargs: dict[str, Any], args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     run_dir = Path(args.out) / label.replace(":", "_").replace(",", "_").replace("=", "-")
     stats_dir = run_dir / "comm"
     monitor = [{"class_path": "lightning_commstrats.CommStatsMonitor", "init_args": {"save_dir": str(stats_dir)}}]
-    cmd = [
-        sys.executable,
-        str(REPO / "recipes" / "train_lm.py"),
-        "fit",
-        "--config",
+    cmd = train_lm_command(
         args.config,
         f"--trainer.devices={args.devices}",
         f"--trainer.strategy={strategy_arg(name, kwargs)}",
@@ -77,16 +66,9 @@ def run(label: str, name: str, kwargs: dict[str, Any], args: argparse.Namespace,
         f"--trainer.callbacks={json.dumps(monitor)}",
         "--trainer.enable_progress_bar=false",
         *extra,
-    ]
-    env = launcher_free_env()
+    )
     print(f"== {label}: {' '.join(cmd[2:])}", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    (run_dir / "log.txt").parent.mkdir(parents=True, exist_ok=True)
-    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        raise SystemExit(f"{label} failed (log: {run_dir / 'log.txt'}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    wall = run_recipe(cmd, launcher_free_env(), label, run_dir / "log.txt")
     ranks = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("comm_stats.rank*.json"))]
     metrics = run_dir / "csv" / "version_0" / "metrics.csv"
     rows = list(csv.DictReader(open(metrics))) if metrics.exists() else []  # none without validation
@@ -152,12 +134,10 @@ def main() -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = [run(spec, *parse_strategy(spec), args, extra) for spec in args.strategies]
-    out = Path(args.out)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = f"Config `{portable(args.config)}`, {args.devices} ranks, extra `{' '.join(extra)}`\n\n" + table(
         results, args.devices
     )
-    (out / "results.md").write_text(md + "\n")
+    write_results(args.out, md, results, default=str)
     print(md)
 
 

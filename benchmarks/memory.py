@@ -82,14 +82,28 @@ import json
 import os
 import resource
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    REPO,
+    failed_ranks,
+    finish_rank,
+    local_rank,
+    localhost_env,
+    quiet_trainer,
+    rank_tails,
+    read_rank_results,
+    run_ranks,
+    transformer_args,
+    write_results,
+    zipf_batches,
+)
 
 VOCAB, SEQ_LEN, BATCH = 8192, 64, 4
 WORLD = 4
@@ -119,37 +133,13 @@ SIZES: dict[str, tuple[int, int, int]] = {
 BUDGET_WIDTH = (512, 8)  # d_model, heads of the budget search
 BUDGET_SYNC_PERIOD = 5  # diloco's inner steps per sync when the two largest models train
 TABLE_BATCH = (2, 32)  # sequences per batch and tokens per sequence of table 1's runs (bytes only)
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- one rank
 
 
 def model_args(d_model: int, blocks: int, heads: int, lr: float = 1e-3) -> dict[str, Any]:
-    return {
-        "arch": "transformer",
-        "vocab_size": VOCAB,
-        "hidden_dim": d_model,
-        "num_layers": blocks,
-        "num_heads": heads,
-        "ffn_dim": 4 * d_model,
-        "max_seq_len": SEQ_LEN,
-        "dropout": 0.0,
-        "tie_weights": True,
-        "optimizer": "adamw",
-        "lr": lr,
-    }
-
-
-def zipf_batches(rank: int, steps: int, batch: int = BATCH, seq_len: int = SEQ_LEN, seed: int = 0) -> list[Any]:
-    """``steps`` batches ``(inputs, targets)`` of this rank: a Zipf(1) stream over the vocabulary."""
-    import torch
-
-    g = torch.Generator().manual_seed(10_000 * seed + rank)
-    probs = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64)
-    tokens = torch.multinomial(probs / probs.sum(), steps * batch * (seq_len + 1), replacement=True, generator=g)
-    tokens = tokens.view(steps, batch, seq_len + 1)
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    return transformer_args(VOCAB, SEQ_LEN, d_model, blocks, heads, lr)
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -190,19 +180,13 @@ def run_one(run: dict[str, Any], rank: int) -> dict[str, Any]:
     numel = sum(p.numel() for p in model.parameters())
     strategy = L.pytorch.strategies.StrategyRegistry[run["strategy"]]["strategy"](**run["kwargs"])
     measure = Measure()
-    batches = zipf_batches(rank, run["steps"], run.get("batch", BATCH), run.get("seq_len", SEQ_LEN))
+    batches = zipf_batches(rank, run["steps"], run.get("batch", BATCH), run.get("seq_len", SEQ_LEN), VOCAB)
     loader = DataLoader(batches, batch_size=None, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        validate=False,
         devices=WORLD,
         strategy=strategy,
         max_steps=run["steps"],
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[measure],
     )
@@ -244,19 +228,10 @@ def rank_main(spec_json: str, out: str) -> None:
         if not applied:
             raise RuntimeError(f"the mmap threshold could not be fixed: {why}")
     results = {run["name"]: (run_os if run.get("kind") == "os" else run_one)(run, rank) for run in spec["runs"]}
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_rank(out, rank, results)
 
 
 # ---------------------------------------------------------------- the launcher
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -268,54 +243,19 @@ def launch(
     the ranks' processes: ``fix_mmap_threshold=True``, ``preload`` (an allocator's name; its library's
     path in ``library``) and ``env`` (variables of the ranks' environment)."""
     out = Path(tempfile.mkdtemp(prefix="commstrats-memory-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    )
+    env = localhost_env(world, REPO)
     env.update(spec.pop("env", None) or {})
     if spec.get("library"):
         env["LD_PRELOAD"] = os.pathsep.join(filter(None, [spec.pop("library"), env.get("LD_PRELOAD")]))
     args = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps({"runs": runs, **spec}), str(out)]
-    logs = [open(out / f"log{r}.txt", "w+") for r in range(world)]
-    procs = [
-        subprocess.Popen(
-            args, env={**env, "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True
-        )
-        for r in range(world)
-    ]
     try:
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                time.sleep(2.0)  # let the others print their side of the failure
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        if any(p.returncode != 0 for p in procs):
-            tails = []
-            for r, f in enumerate(logs):
-                f.seek(0)
-                tails.append(f"--- rank {r} ---\n{f.read()[-6000:]}")
+        # a failed rank: 2 s more for the others to print their side of the failure
+        procs = run_ranks(lambda r, log: local_rank(args, env, r, log), world, out, timeout, grace=2.0)
+        if failed_ranks(procs):
             names = ", ".join(run["name"] for run in runs)
-            raise RuntimeError(f"ranks failed or timed out running {names}:\n" + "\n".join(tails))
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+            raise RuntimeError(f"ranks failed or timed out running {names}:\n" + rank_tails(procs, out, 6000))
+        return read_rank_results(out, world)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-        for f in logs:
-            f.close()
         shutil.rmtree(out, ignore_errors=True)
 
 
@@ -599,18 +539,12 @@ def run_os(run: dict[str, Any], rank: int) -> dict[str, Any]:
             self.totals.append(total(memory))
 
     measure = Measure()
-    batches = zipf_batches(rank, run["steps"], run["batch"], SEQ_LEN)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    batches = zipf_batches(rank, run["steps"], run["batch"], SEQ_LEN, VOCAB)
+    trainer = quiet_trainer(
+        validate=False,
         devices=run["world"],
         strategy=Tracked(**run["kwargs"]),
         max_steps=run["steps"],
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[measure],
     )
@@ -798,10 +732,7 @@ def main() -> None:
     wall = time.perf_counter() - start
     text += f"\n\nWall time: {wall:.0f}s."
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps({"rows": rows, "budget": budget, "wall_seconds": wall}, indent=1))
+    write_results(args.out, text, {"rows": rows, "budget": budget, "wall_seconds": wall})
 
 
 def main_os(
@@ -821,9 +752,7 @@ def main_os(
     text = format_os(rows, size) + f"\n\nWall time: {wall:.0f}s."
     print(text)
     out = Path(out_dir) / f"os-{size}" if default_out else Path(out_dir)  # beside, not over, tables 1 and 2
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps({"rows": rows, "size": size, "wall_seconds": wall}, indent=1))
+    write_results(out, text, {"rows": rows, "size": size, "wall_seconds": wall})
 
 
 if __name__ == "__main__":

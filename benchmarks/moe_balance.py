@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,8 +30,7 @@ from typing import Any
 
 import lightning as L
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from common import HERE, REPO, child_env, train_lm_command
 
 
 class LoadRecorder(L.Callback):
@@ -106,11 +104,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, extra: list[str]) -> dic
         {"class_path": "lightning_commstrats.CommStatsMonitor", "init_args": {"summary_at_end": False}},
         {"class_path": "moe_balance.LoadRecorder", "init_args": {"path": str(record_path)}},
     ]
-    cmd = [
-        sys.executable,
-        str(REPO / "recipes" / "train_lm.py"),
-        "fit",
-        "--config",
+    cmd = train_lm_command(
         args.config,
         f"--seed_everything={seed}",
         f"--trainer.devices={args.devices}",
@@ -122,10 +116,8 @@ def run(mode: str, seed: int, args: argparse.Namespace, extra: list[str]) -> dic
         f"--model.balance={name}",
         *overrides,
         *extra,
-    ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = str(args.threads)
+    )
+    env = child_env(REPO, HERE, threads=args.threads)
     print(" ".join(cmd[1:]), flush=True)
     start = time.time()
     done = subprocess.run(cmd, env=env, cwd=REPO).returncode

@@ -25,6 +25,7 @@ import json
 import statistics
 from pathlib import Path
 
+from common import write_results
 from compare import REPO, Entry, cluster_or_loopback, launch
 
 
@@ -107,9 +108,7 @@ def main() -> None:
         for r in rows
     ]
     text = "\n".join(lines)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    write_results(out, text, rows)
     print(text)
 
 

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import write_results
 from compare import REPO, Entry, cluster_or_loopback, launch
 
 SEQ_LEN = 35
@@ -292,9 +293,7 @@ def main() -> None:
                     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
                     rows.append(row)
     text = report(rows, args, where)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    write_results(out, text, rows)
     print(text)
 
 

@@ -63,7 +63,19 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from cluster import ClusterUnavailable, EmulatedCluster, launcher_free_env, wait_all  # noqa: E402
+from cluster import EmulatedCluster, cluster_or_loopback  # noqa: E402
+from common import (  # noqa: E402
+    child_env,
+    failed_ranks,
+    log_tail,
+    node_env,
+    popen_on,
+    read_rank_results,
+    run_ranks,
+    strategy_json,
+    train_lm_command,
+    write_results,
+)
 
 OUT = HERE / "results" / "paper2018"
 PREFIX = "p2018"  # namespace prefix of this benchmark's clusters
@@ -310,14 +322,7 @@ def strategy_arg(scheme: str, args: argparse.Namespace) -> str:
         init = {"alpha": args.alpha, "beta": args.beta}
     else:
         init = {"mode": "sync", "num_servers": 1, "rpc_transports": ["uv"]}
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    import lightning_commstrats  # noqa: F401 - registers the names
-
-    if scheme not in StrategyRegistry:
-        raise SystemExit(f"strategy {scheme!r} is not registered; registered: {sorted(StrategyRegistry)}")
-    cls = StrategyRegistry[scheme]["strategy"]
-    return json.dumps({"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init})
+    return strategy_json(scheme, init)
 
 
 def recipe_command(
@@ -329,11 +334,7 @@ def recipe_command(
         "init_args": {"out": str(run_dir), "warmup_steps": args.warmup_steps},
     }
     spec = MODELS[model]
-    return [
-        sys.executable,
-        str(REPO / "recipes" / "train_lm.py"),
-        "fit",
-        "--config",
+    return train_lm_command(
         spec["config"],
         *spec["args"],
         f"--data.max_vocab_size={vocab_size}",
@@ -352,47 +353,26 @@ def recipe_command(
         "--trainer.enable_model_summary=false",
         "--trainer.logger=false",
         f"--trainer.callbacks={json.dumps([clock])}",
-    ]
+    )
 
 
 def launch(cmd: list[str], n: int, cluster: EmulatedCluster | None, run_dir: Path, timeout: float) -> float:
     """Start the ``n`` ranks (one per host), wait for them; returns the job's wall seconds."""
-    env = launcher_free_env()
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]),
-        PYTHONUNBUFFERED="1",
-    )
-    logs = [open(run_dir / f"log{i}.txt", "w") for i in range(n)]
-    procs: list[subprocess.Popen] = []
+    env = child_env(HERE, REPO)
+    env["MKL_NUM_THREADS"] = "1"
+
+    def start_rank(i: int, log: Any) -> subprocess.Popen:
+        rank_env = node_env(env, i, n, cluster.address(0) if cluster else "127.0.0.1", MASTER_PORT) if n > 1 else env
+        if cluster is not None:
+            # gloo and TensorPipe (the parameter server's RPC) bind the host's interface
+            rank_env = {**rank_env, "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0"}
+        return popen_on(cluster, i, cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT)
+
     start = time.perf_counter()
-    try:
-        for i in range(n):
-            rank_env = dict(env)
-            if n > 1:
-                rank_env.update(
-                    MASTER_ADDR=cluster.address(0) if cluster else "127.0.0.1",
-                    MASTER_PORT=str(MASTER_PORT),
-                    WORLD_SIZE=str(n),
-                    NODE_RANK=str(i),
-                    LOCAL_RANK="0",
-                )
-            if cluster is not None:
-                # gloo and TensorPipe (the parameter server's RPC) bind the host's interface
-                rank_env.update(GLOO_SOCKET_IFNAME="eth0", TP_SOCKET_IFNAME="eth0")
-                procs.append(cluster.popen(i, cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
-            else:
-                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=logs[i], stderr=subprocess.STDOUT))
-        wait_all(procs, start + timeout)
-    finally:
-        wait_all(procs, 0.0)  # kills what an error left running
-        for f in logs:
-            f.close()
+    procs = run_ranks(start_rank, n, run_dir, timeout)
     wall = time.perf_counter() - start
-    if any(p.returncode != 0 for p in procs):
-        bad = next(i for i, p in enumerate(procs) if p.returncode != 0)
-        tail = (run_dir / f"log{bad}.txt").read_text()[-3000:]
+    if failed_ranks(procs):
+        tail = log_tail(run_dir, failed_ranks(procs)[0])
         raise RuntimeError(f"{run_dir.name} failed or timed out after {wall:.0f} s (logs in {run_dir}):\n{tail}")
     return wall
 
@@ -404,26 +384,12 @@ def run_one(model: str, vocab: str, n: int, scheme: str, args: argparse.Namespac
     for old in [*run_dir.glob("rank*.json"), run_dir / "run.json"]:
         old.unlink(missing_ok=True)
     cmd = recipe_command(model, size, n, scheme, args, run_dir)
-    cluster = None
-    where = "loopback (no rate limit)"
-    if not args.loopback:
-        try:
-            cluster = EmulatedCluster(n, args.rate, prefix=PREFIX)
-            cluster.create()
-            where = f"emulated cluster, {args.rate:g} Mbit/s links"
-        except ClusterUnavailable as err:
-            cluster = None
-            where = f"loopback (no rate limit; emulated cluster unavailable: {err})"
-            print(f"   {where}", flush=True)
-    load = os.getloadavg()[0]  # other work on the cores would slow this run: recorded, shown in results.md
-    try:
+    with cluster_or_loopback(args.loopback, n, args.rate, prefix=PREFIX) as (cluster, where):
+        load = os.getloadavg()[0]  # other work on the cores would slow this run: recorded, shown in results.md
         before = [cluster.tx_bytes(i) for i in range(n)] if cluster else None
         wall = launch(cmd, n, cluster, run_dir, args.timeout)
         after = [cluster.tx_bytes(i) for i in range(n)] if cluster else None
-    finally:
-        if cluster is not None:
-            cluster.destroy()
-    ranks = [json.loads((run_dir / f"rank{i}.json").read_text()) for i in range(n)]
+    ranks = read_rank_results(run_dir, n)
     record = {
         "id": run_id(model, vocab, n, scheme),
         "model": model,
@@ -800,8 +766,7 @@ def tables(args: argparse.Namespace) -> str:
         raise SystemExit(f"no runs under {out / 'runs'} measured with these settings ({len(skipped)} with others)")
     rows = sorted(build_rows(runs), key=_order)
     text = markdown(rows, args, [r["id"] for r in skipped])
-    (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps({"settings": want, "runs": rows}, indent=1))
+    write_results(out, text, {"settings": want, "runs": rows})
     plot(rows, out)
     return text
 

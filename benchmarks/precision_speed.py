@@ -13,14 +13,13 @@ same run. The table goes to stdout and, with ``--out``, to ``<out>/results.md`` 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from common import quiet_trainer, write_results
 from recorded import portable_args
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -69,16 +68,11 @@ def one_run(preset: str, args: argparse.Namespace, data: TensorDataset) -> tuple
         lr=1e-3,
     )
     timer = StepTimer(args.warmup, args.device)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
+        validate=False,
         accelerator=args.device,
         devices=1,
         max_steps=args.warmup + args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         plugins=[LayeredMixedPrecision(preset, dtype=args.dtype, device=args.device)],
         callbacks=[timer],
     )
@@ -153,12 +147,8 @@ def main() -> None:
         )
     print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.md").write_text("\n".join(lines) + "\n")
-        (out / "results.json").write_text(
-            json.dumps({"args": portable_args(args), "device": device, "rows": rows}, indent=2)
-        )
+        data = {"args": portable_args(args), "device": device, "rows": rows}
+        write_results(args.out, "\n".join(lines), data, indent=2)
 
 
 if __name__ == "__main__":

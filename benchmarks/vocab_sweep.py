@@ -10,10 +10,10 @@ rows sent depend on the minibatch, not on the vocabulary, so the ratio falls as 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+from common import write_results
 from lm_compare import REPO, run
 from recorded import portable
 
@@ -60,10 +60,7 @@ def main() -> None:
         f"| {r['vocab']} | {r['allreduce'] / 1e6:.2f} | {r['sampled_vocab'] / 1e6:.2f} | {r['ratio']:.3f} |"
         for r in rows
     ]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_results(args.out, "\n".join(lines), rows)
     print("\n".join(lines))
 
 
