@@ -213,8 +213,9 @@ def test_the_command_reads_parameter_shapes_from_json(tmp_path, capsys):
 
 
 def test_the_command_is_installed_as_commstrats_advise():
+    # through the door that answers --help without torch, which hands every other use to the advisor
     text = (REPO / "pyproject.toml").read_text()
-    assert 'commstrats-advise = "lightning_commstrats.advisor:main"' in text
+    assert 'commstrats-advise = "lightning_commstrats_launch:advise"' in text
 
 
 class _SlowLink(Communicator):
