@@ -403,6 +403,7 @@ class ReplicaSync:
 
     on_wait: Callable[[], None] | None = None
     _told_waiting = False  # the replica said once why it waits
+    summary: ReplicaSummary | None = None  # what the replica went through (made in __init__)
 
     def __init__(
         self,
@@ -504,7 +505,7 @@ class ReplicaSync:
         finally:
             seconds = time.perf_counter() - began
             self.stats.record_wait(QUORUM_TAG, seconds, background=None)
-            if quorum is not None:
+            if quorum is not None and self.summary is not None:
                 self.summary.on_quorum(seconds, quorum.comm.world_size, quorum.healed)
 
     def _quorum(self) -> Quorum:
@@ -584,7 +585,8 @@ class ReplicaSync:
         finally:
             seconds = time.perf_counter() - began
             self.stats.record_wait(QUORUM_TAG, seconds, background=None)
-            self.summary.on_commit(seconds, counted)
+            if self.summary is not None:
+                self.summary.on_commit(seconds, counted)
 
     def shutdown(self) -> None:
         """Leave the run (idempotent; safe from another thread: a call waiting in the Manager fails)."""

@@ -296,9 +296,10 @@ def test_a_sampled_phase_that_sets_a_new_high_has_it_exactly_and_one_below_gets_
     # above every earlier high: the kernel's new peak, exactly, even for a block held less than an interval
     tracker = ProcessMemory(interval=3600.0)  # the sampler never reads: only the boundaries and the kernel
     with tracker.phase("sync"):
+        sampler = tracker._sampler[0]
         touch_and_free(high - rss_now() + 64 * MIB)
     assert tracker.stats()["rss"]["phases"]["sync"] >= high + 60 * MIB
-    assert tracker._sampler is None and not any(t.name == "commstrats-memory" for t in pm.threading.enumerate())
+    assert tracker._sampler is None and not sampler.is_alive()  # no thread outlives its phases
 
 
 def test_the_ranks_line_names_the_largest_and_the_smallest_peak_of_each_counter():
@@ -315,3 +316,21 @@ def test_the_ranks_line_names_the_largest_and_the_smallest_peak_of_each_counter(
         "peak RSS over 3 ranks: largest 1.50 GiB (rank 1), smallest 100.0 MiB (rank 2);"
         " peak allocated over 3 ranks: largest 6.00 GiB (rank 2), smallest 4.00 GiB (rank 1)"
     )
+
+
+class _Raises(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("a step that fails")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_raised_leaves_no_sampler_running():
+    strategy = AllReduceStrategy()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, strategy=strategy, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        trainer.fit(_Raises())
+    assert strategy.process_memory._sampler is None and strategy.process_memory.open_phases == []

@@ -1069,6 +1069,8 @@ class CommStrategy(RankDevices, ParallelStrategy):
     def teardown(self) -> None:
         self.stop_agreement.detach()
         self.release_resources()
+        if self._process_memory is not None:  # a fit that raised left its phases open: stop their sampler
+            self._process_memory.close()
         module = self.lightning_module
         if module is None or not has_meta(module):
             super().teardown()
