@@ -9,7 +9,7 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' '
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all smoke-lowest lint format docs bench bench-quick clean gpu-check
+.PHONY: install demo test test-all smoke-lowest lint format docs bench bench-quick clean gpu-check mutants
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ test: install
 test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+# The mutant zoo (tests/mutants/zoo.py), not part of `make test`: each one-line mutant of the package is
+# applied in turn to a copy of the repository, and its tests (the reference's replays, the mutant's own,
+# the quick matrix cases) must fail there; tests/mutants/results/ gets the table. About an hour on 2 cores.
+# One mutant: `make mutants MUTANTS_ARGS="--only pseudo_gradient_sign --out /tmp/m"`.
+MUTANTS_ARGS ?=
+mutants: install
+	$(PY) tests/mutants/run.py $(MUTANTS_ARGS)
 
 # On a machine with a CUDA GPU (and a CUDA build of torch: TORCH=...): every test marked cuda (one
 # GPU, NCCL ranks on it; skipped tests mean no GPU was found), then one short run of every scheme,
