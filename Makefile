@@ -39,7 +39,7 @@ test-all: install
 
 # The mutant zoo (tests/mutants/zoo.py), not part of `make test`: each one-line mutant of the package is
 # applied in turn to a copy of the repository, and its tests (the reference's replays, the mutant's own,
-# the quick matrix cases) must fail there; tests/mutants/results/ gets the table. About an hour on 2 cores.
+# the quick matrix cases) must fail there; tests/mutants/results/ gets the table. About 35 min on 2 cores.
 # One mutant: `make mutants MUTANTS_ARGS="--only pseudo_gradient_sign --out /tmp/m"`.
 MUTANTS_ARGS ?=
 mutants: install

@@ -11,7 +11,8 @@ paths or node ids relative to the repository root. A file stands for its quick t
 ``slow``); a node id runs as named, slow or not. The reference (``tests/multiprocess/test_reference_ranks.py``)
 and the quick matrix cases (``tests/multiprocess/test_matrix_ranks.py -m "not slow"``) are added to every
 mutant's list: first the reference when ``reference_first`` (the schemes it replays), else after the
-mutant's own tests; the matrix last.
+mutant's own tests; the matrix last. A mutant's own tests are kept few (the zoo runs in about half an
+hour on two cores): unit files whole, multiprocess tests by node id where a whole file would cost minutes.
 
 ``survives`` is for a mutant known to survive: why (an equivalent mutant, or what no test checks). The
 runner reports a survivor without it as unexplained.
