@@ -229,8 +229,8 @@ def format_summary(s: CommSnapshot) -> str:
     inside_text = f", {inside / MB:.3f} MB of it FSDP2's inside the groups" if inside else ""
     across = ""
     if s.grouped:  # the slow link's share first: what a run across sites pays for
-        once = s.across_bytes - s.across_steady_bytes_per_step * s.steps
-        once_text = f" + {once / MB:.3f} MB once at setup" if once > 0.5 else ""
+        once = s.across_setup_bytes
+        once_text = f" + {once / MB:.3f} MB once at setup" if once else ""
         across = (
             f"between {s.across_label} {s.across_bytes / MB:.3f} MB ({s.across_steady_bytes_per_step / MB:.4f} MB/step"
             f"{once_text}); in all "

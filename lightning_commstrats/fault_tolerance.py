@@ -57,6 +57,7 @@ from torch import Tensor
 from lightning_commstrats.comm.base import Communicator
 from lightning_commstrats.comm.stats import CommStats
 from lightning_commstrats.comm.torch_dist import staged_on
+from lightning_commstrats.sharding.memory import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -299,17 +300,6 @@ class Quorum:
     healed: dict[str, Any] | None  # the shared state received from a live peer, when this replica healed
 
 
-def _tensor_bytes(obj: Any) -> int:
-    """The bytes of every tensor in a nested state (dicts, lists, tuples)."""
-    if isinstance(obj, Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, Mapping):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
 @dataclass
 class ReplicaSummary:
     """What one replica went through in a fit, as its rank saw it: the waits for quorums and commits,
@@ -338,7 +328,7 @@ class ReplicaSummary:
         self.longest_quorum_seconds = max(self.longest_quorum_seconds, seconds)
         if healed is not None:
             self.heals += 1
-            self.heal_bytes += _tensor_bytes(healed)
+            self.heal_bytes += sum(t.numel() * t.element_size() for t in tensors_in(healed))
             self.heal_seconds += seconds
         if self._last_size is not None:
             self.replicas_left += max(self._last_size - size, 0)

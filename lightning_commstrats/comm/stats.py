@@ -146,10 +146,14 @@ class CommSnapshot:
         return sum(self.across_by_tag.values())
 
     @property
+    def across_setup_bytes(self) -> int:
+        """Of :attr:`across_bytes`, the one-time traffic (tags in :data:`ONE_TIME_TAGS`)."""
+        return sum(b for t, b in self.across_by_tag.items() if t in ONE_TIME_TAGS)
+
+    @property
     def across_steady_bytes_per_step(self) -> float:
         """Bytes per optimizer step this rank sent between groups, without the one-time traffic."""
-        steady = sum(b for t, b in self.across_by_tag.items() if t not in ONE_TIME_TAGS)
-        return steady / self.steps if self.steps else 0.0
+        return (self.across_bytes - self.across_setup_bytes) / self.steps if self.steps else 0.0
 
     @property
     def compute_seconds(self) -> float:

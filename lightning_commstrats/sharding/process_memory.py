@@ -315,8 +315,7 @@ class ProcessMemory:
         ``rss`` on the host, ``allocated`` and ``reserved`` on a CUDA device). A phase still open
         counts with its peak so far. Where the phases' ``rss`` is not known, ``rss`` has a ``"note"``;
         where they are, every counter has ``"method"``: ``"sampled"`` or ``"reset"``."""
-        self._fold()
-        now = self._now()
+        now, _ = self._fold()
         phases = {name: dict(peaks) for name, peaks in self.phase_peaks.items()}
         with self._lock:
             still_open = [(name, dict(peaks)) for name, peaks, _ in self._open]
